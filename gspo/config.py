@@ -1,0 +1,294 @@
+"""Typed configuration: the only place defaults live.
+
+Precedence: dataclass defaults < YAML preset < dotted ``key=value`` overrides, e.g.
+``gspo train configs/tiny_cpu.yaml objective.eps_high=4e-4 model=/path/to/model``.
+Unknown keys and type mismatches raise :class:`ConfigError` naming the field.
+Each field's ``help`` metadata feeds ``gspo train --help`` and the docs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration problem the user must fix; its message is one line naming the field."""
+
+
+def _f(default: Any, help: str, **kw: Any) -> Any:
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help}, **kw)
+    return field(default=default, metadata={"help": help}, **kw)
+
+
+@dataclass
+class TaskConfig:
+    name: str = _f("arithmetic", "built-in task ('arithmetic', 'countdown') or 'jsonl'")
+    levels: list[int] = _f(
+        [1, 2], "arithmetic difficulty levels mixed in training (1: a+b one-digit, 2: two-digit "
+        "plus one-digit, 3: two-digit plus two-digit, 4: three-digit plus two-digit)")
+    level_weights: list[float] = _f([], "sampling weight per level (empty: uniform)")
+    eval_levels: list[int] = _f([], "levels of the held-out set (empty: same as levels)")
+    operations: list[str] = _f(["+"], "arithmetic operations to draw from: '+', '-', '*'")
+    eval_size: int = _f(100, "number of held-out problems evaluated before and after training")
+    path: str = _f("", "JSONL file with one prompt per line (task.name=jsonl)")
+    eval_path: str = _f("", "held-out JSONL file (empty: hold out eval_size rows of path)")
+    prompt_field: str = _f("prompt", "JSONL column holding the prompt")
+    answer_field: str = _f("answer", "JSONL column holding the reference answer")
+    system_prompt: str = _f("", "system message for the chat template (empty: tokenizer default)")
+    chat_template: bool = _f(True, "apply the tokenizer's chat template (false: raw prompts)")
+
+
+@dataclass
+class RewardConfig:
+    functions: list[str] = _f(
+        ["numeric_match"], "reward functions: registered names or 'module:function'")
+    weights: list[float] = _f([], "weight per reward function (empty: all 1.0)")
+    max_unscorable_frac: float = _f(
+        0.5, "stop the run if more than this fraction of a step's responses cannot be scored")
+
+
+@dataclass
+class RolloutConfig:
+    group_size: int = _f(8, "G: responses sampled per prompt")
+    prompts_per_step: int = _f(8, "B: prompts per rollout batch")
+    max_new_tokens: int = _f(32, "response length cap; longer responses are truncated")
+    temperature: float = _f(0.7, "sampling temperature (log-probs use the same temperature)")
+    top_p: float = _f(1.0, "nucleus sampling; < 1 makes rollout log-probs differ from π")
+    top_k: int = _f(0, "top-k sampling (0 = off, keeps log-probs equal to the policy's)")
+    engine: str = _f("hf", "rollout engine: 'hf' (own KV-cached sampler) or 'vllm'")
+    eval_max_new_tokens: int = _f(32, "response cap for greedy evaluation")
+
+
+@dataclass
+class ObjectiveConfig:
+    name: str = _f("gspo", "policy loss: gspo, gspo_token, grpo, ... (see gspo.objectives)")
+    eps_low: float = _f(3e-4, "lower clip range ε_low (GSPO paper: 3e-4; GRPO: 0.2)")
+    eps_high: float = _f(4e-4, "upper clip range ε_high (GSPO paper: 4e-4; GRPO: 0.27)")
+    beta: float = _f(0.0, "k3 KL penalty coefficient to the initial (reference) policy")
+    advantage: str = _f("grpo", "advantage estimator (see gspo.objectives.ADVANTAGES)")
+    scale_rewards: Literal["group", "batch", "none"] = _f(
+        "group", "divide advantages by the group std, the batch std, or nothing")
+    num_minibatches: int = _f(4, "minibatches per rollout batch (paper: 4)")
+    epochs: int = _f(1, "passes over each rollout batch")
+    old_logprobs: Literal["recompute", "rollout"] = _f(
+        "recompute", "π_old log-probs: recomputed by the trainer in fp32, or the rollout's own")
+    aggregation: Literal["sequence", "token"] = _f(
+        "sequence", "GSPO aggregation; 'token' is length-weighted (not the paper's, warns)")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = _f(2e-6, "AdamW peak learning rate")
+    weight_decay: float = _f(0.0, "AdamW weight decay")
+    betas: list[float] = _f([0.9, 0.999], "AdamW betas")
+    grad_clip: float = _f(1.0, "max global grad norm (0 = off)")
+    warmup_steps: int = _f(0, "linear warm-up steps")
+    schedule: Literal["constant", "cosine", "linear"] = _f("constant", "lr schedule after warm-up")
+
+
+@dataclass
+class MoEConfig:
+    routing_replay: Literal["off", "r2", "r3"] = _f(
+        "off", "reuse π_old's expert choices: r2 = trainer-recorded, r3 = rollout-recorded")
+    aux_loss_coef: float = _f(0.0, "router load-balancing loss coefficient (0 = off)")
+    log_routing_change: bool = _f(True, "log the fraction of (token, layer) whose experts changed")
+
+
+@dataclass
+class TrainConfig:
+    model: str = _f(
+        "smollm2-135m-instruct",
+        "local Hugging Face causal-LM folder, 'smollm2-135m-instruct', or 'tiny:<name>'")
+    steps: int = _f(40, "RL steps (one rollout batch each)")
+    seed: int = _f(0, "seed for data, sampling and initialisation")
+    output_dir: str = _f("runs", "parent folder of run folders")
+    run_name: str = _f("", "run folder name (empty: a timestamp)")
+    resume: str = _f("", "run folder to resume from its latest checkpoint")
+    dtype: Literal["float32", "bfloat16"] = _f("float32", "parameter and compute dtype")
+    logprob_chunk: int = _f(256, "positions per chunk when computing fp32 log-probs")
+    gradient_checkpointing: bool = _f(False, "recompute activations in backward (saves memory)")
+    save_every: int = _f(0, "checkpoint every k steps (0: only at the end)")
+    keep_checkpoints: int = _f(2, "how many recent checkpoints to keep")
+    eval_before: bool = _f(True, "evaluate held-out accuracy before training")
+    eval_every: int = _f(0, "evaluate every k steps (0: only before/after)")
+    num_threads: int = _f(0, "torch CPU threads (0: torch's default)")
+    progress: bool = _f(True, "show a progress bar")
+    tensorboard: bool = _f(False, "also write TensorBoard event files")
+    task: TaskConfig = field(default_factory=TaskConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+
+
+# ----------------------------------------------------------------------------- parsing
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check ``value`` against annotation ``tp``; ints are accepted where floats are expected."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            choices = ", ".join(repr(a) for a in typing.get_args(tp))
+            raise ConfigError(f"{key}: {value!r} is not one of {choices}")
+        return value
+    if origin in (list,):
+        (item_tp,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        return [_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin in (typing.Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{key}: {value!r} does not match {_type_name(tp)}")
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true/false, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads "1e-3" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                raise ConfigError(f"{key}: expected a number, got {value!r}") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        return float(value)
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return value
+    if tp is str:
+        if value is None:
+            return ""
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return str(value)
+    raise ConfigError(f"{key}: unsupported type {_type_name(tp)}")
+
+
+def _merge(obj: Any, data: dict[str, Any], prefix: str = "") -> None:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(type(obj))
+    names = {f.name for f in dataclasses.fields(obj)}
+    for key, value in data.items():
+        full = f"{prefix}{key}"
+        if key not in names:
+            raise ConfigError(f"unknown config key '{full}' (valid: {', '.join(sorted(names))})")
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            _merge(getattr(obj, key), value, f"{full}.")
+        else:
+            setattr(obj, key, _coerce(value, tp, full))
+
+
+def parse_override(item: str) -> dict[str, Any]:
+    """Turn ``a.b=1`` into ``{"a": {"b": 1}}``; the value is parsed as YAML."""
+    if "=" not in item:
+        raise ConfigError(f"override '{item}' must look like key=value")
+    key, raw = item.split("=", 1)
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override '{item}' has an empty key")
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    for part in reversed(key.split(".")):
+        value = {part: value}
+    return value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
+    """Build a :class:`TrainConfig` from defaults, an optional YAML file and overrides."""
+    cfg = TrainConfig()
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            data = yaml.safe_load(p.read_text())
+        except (yaml.YAMLError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{p}: not valid YAML ({str(e).splitlines()[0]})") from None
+        _merge(cfg, data or {})
+    for item in overrides or []:
+        _merge(cfg, parse_override(item))
+    validate(cfg)
+    return cfg
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Cross-field checks that types alone cannot express."""
+    r, o, t = cfg.rollout, cfg.objective, cfg.task
+    _check(r.group_size >= 2, f"rollout.group_size must be >= 2 (got {r.group_size})")
+    _check(r.prompts_per_step >= 1, "rollout.prompts_per_step must be >= 1")
+    _check(r.max_new_tokens >= 1, "rollout.max_new_tokens must be >= 1")
+    _check(r.temperature > 0, "rollout.temperature must be > 0 (greedy rollouts give no signal)")
+    _check(0 < r.top_p <= 1, "rollout.top_p must be in (0, 1]")
+    _check(r.top_k >= 0, "rollout.top_k must be >= 0")
+    _check(r.engine in ("hf", "vllm"), f"rollout.engine: unknown engine '{r.engine}'")
+    _check(o.eps_low >= 0 and o.eps_high >= 0, "objective.eps_low/eps_high must be >= 0")
+    _check(o.eps_low < 1, "objective.eps_low must be < 1")
+    _check(o.beta >= 0, "objective.beta must be >= 0")
+    _check(o.epochs >= 1, "objective.epochs must be >= 1")
+    n_rollouts = r.group_size * r.prompts_per_step
+    _check(1 <= o.num_minibatches <= n_rollouts,
+           f"objective.num_minibatches must be in [1, {n_rollouts}] (the rollout batch size)")
+    _check(cfg.steps >= 0, "steps must be >= 0")
+    _check(cfg.optim.lr >= 0, "optim.lr must be >= 0")
+    _check(len(cfg.optim.betas) == 2, "optim.betas must have two values")
+    _check(cfg.logprob_chunk >= 1, "logprob_chunk must be >= 1")
+    _check(cfg.keep_checkpoints >= 1, "keep_checkpoints must be >= 1")
+    _check(t.eval_size >= 0, "task.eval_size must be >= 0")
+    _check(bool(t.levels), "task.levels must not be empty")
+    _check(all(1 <= lv <= 4 for lv in t.levels + t.eval_levels), "task levels must be in 1..4")
+    _check(not t.level_weights or len(t.level_weights) == len(t.levels),
+           "task.level_weights must have one weight per level")
+    _check(all(w >= 0 for w in t.level_weights) and (not t.level_weights or sum(t.level_weights) > 0),
+           "task.level_weights must be non-negative and not all zero")
+    _check(all(op in ("+", "-", "*") for op in t.operations) and bool(t.operations),
+           "task.operations must be a non-empty list of '+', '-', '*'")
+    _check(t.name != "jsonl" or bool(t.path), "task.path is required when task.name=jsonl")
+    _check(not cfg.reward.weights or len(cfg.reward.weights) == len(cfg.reward.functions),
+           "reward.weights must have one weight per reward function")
+    _check(bool(cfg.reward.functions), "reward.functions must not be empty")
+    _check(0 <= cfg.reward.max_unscorable_frac <= 1, "reward.max_unscorable_frac must be in [0, 1]")
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def describe_fields(cls: type = TrainConfig, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(dotted key, default, help) for every leaf field: feeds ``gspo train --help``."""
+    rows: list[tuple[str, str, str]] = []
+    hints = typing.get_type_hints(cls)
+    inst = cls()
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            rows += describe_fields(tp, f"{prefix}{f.name}.")
+        else:
+            rows.append((f"{prefix}{f.name}", repr(getattr(inst, f.name)), f.metadata.get("help", "")))
+    return rows

@@ -1,0 +1,47 @@
+"""JSONL prompt files: one JSON object per line with a prompt and a reference answer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gspo.data.tasks import Example
+
+
+class DataError(ValueError):
+    """A dataset problem; the message is one line naming the file and row."""
+
+
+def load_jsonl(path: str, prompt_field: str = "prompt", answer_field: str = "answer") -> list[Example]:
+    """Read ``path``; every other column is kept and passed to reward functions."""
+    from gspo.data.tasks import Example
+
+    p = Path(path)
+    if not p.is_file():
+        raise DataError(f"dataset not found: {p}")
+    rows: list[Example] = []
+    try:
+        lines = p.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise DataError(f"{p}: not UTF-8 text") from None
+    for i, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{p}:{i}: invalid JSON ({e.msg})") from None
+        if not isinstance(row, dict):
+            raise DataError(f"{p}:{i}: expected a JSON object, got {type(row).__name__}")
+        for name in (prompt_field, answer_field):
+            if name not in row:
+                raise DataError(f"{p}:{i}: missing field '{name}'")
+        if not isinstance(row[prompt_field], str) or not row[prompt_field].strip():
+            raise DataError(f"{p}:{i}: field '{prompt_field}' must be a non-empty string")
+        extra = {k: v for k, v in row.items() if k not in (prompt_field, answer_field)}
+        rows.append(Example(row[prompt_field], str(row[answer_field]), extra))
+    if not rows:
+        raise DataError(f"{p}: dataset is empty")
+    return rows

@@ -1,0 +1,62 @@
+"""Tiny models built from configs, for tests and laptop-sized runs (no download, no weights).
+
+They use a byte-level tokenizer (256 byte tokens + 3 specials) so the vocabulary stays small:
+with a 49k vocabulary the output layer dominates a tiny model's cost.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+SPECIALS = ["<pad>", "<eos>", "<bos>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+def byte_tokenizer() -> Any:
+    """A byte-level BPE tokenizer with no merges: any text encodes, vocabulary 259."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + sorted(alphabet))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
+                                   bos_token="<bos>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def tiny_config(name: str, vocab_size: int) -> Any:
+    """Configs of the tiny presets: ``llama`` (dense) and the MoE families of gspo.models.moe."""
+    from transformers import LlamaConfig
+
+    if name == "llama":
+        return LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           max_position_embeddings=512, tie_word_embeddings=True,
+                           pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    from gspo.models.moe import SUPPORTED_MOE, tiny_moe_config
+
+    if name in SUPPORTED_MOE:
+        cfg = tiny_moe_config(name, vocab_size=vocab_size)
+        cfg.pad_token_id, cfg.eos_token_id, cfg.bos_token_id = 0, 1, 2
+        return cfg
+    raise ValueError(f"unknown tiny model '{name}' (choose llama or one of {sorted(SUPPORTED_MOE)})")
+
+
+def build_tiny(name: str, *, dtype: torch.dtype = torch.float32, seed: int = 0) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = byte_tokenizer()
+    config = tiny_config(name, vocab_size=len(tokenizer))
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model, tokenizer

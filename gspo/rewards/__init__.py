@@ -1,0 +1,24 @@
+"""Reward functions: ``fn(prompts, completions, **columns) -> list[float | None]``.
+
+``None`` (or an exception, a wrong length, a non-number) means *unscorable*: that response gets
+advantage 0, is counted in the metrics, and the run goes on.
+"""
+
+from gspo.rewards.functions import (
+    REWARDS,
+    RewardSpecError,
+    numeric_match,
+    register_reward,
+    resolve_reward,
+)
+from gspo.rewards.scoring import RewardError, RewardScorer
+
+__all__ = [
+    "REWARDS",
+    "RewardError",
+    "RewardScorer",
+    "RewardSpecError",
+    "numeric_match",
+    "register_reward",
+    "resolve_reward",
+]

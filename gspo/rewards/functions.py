@@ -1,0 +1,77 @@
+"""Built-in reward functions and how a config names them."""
+
+from __future__ import annotations
+
+import importlib
+import math
+import re
+from collections.abc import Callable
+from typing import Any
+
+RewardFn = Callable[..., list]
+REWARDS: dict[str, RewardFn] = {}
+
+
+class RewardSpecError(ValueError):
+    """A reward named in the config cannot be found or imported."""
+
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
+    def deco(fn: RewardFn) -> RewardFn:
+        if name in REWARDS:
+            raise ValueError(f"reward '{name}' is already registered")
+        REWARDS[name] = fn
+        return fn
+    return deco
+
+
+def resolve_reward(spec: str | RewardFn) -> RewardFn:
+    """A registered name, ``'package.module:function'``, or a callable."""
+    if callable(spec):
+        return spec
+    if ":" in spec:
+        module_name, _, attr = spec.partition(":")
+        try:
+            fn = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as e:
+            raise RewardSpecError(f"reward '{spec}' cannot be imported ({e})") from None
+        if not callable(fn):
+            raise RewardSpecError(f"reward '{spec}' is not callable")
+        return fn
+    if spec not in REWARDS:
+        raise RewardSpecError(f"unknown reward '{spec}'; choose one of: {', '.join(sorted(REWARDS))}"
+                         " or give 'module:function'")
+    return REWARDS[spec]
+
+
+def extract_number(text: str) -> float | None:
+    """The last number in ``text`` (``-12``, ``1,234``, ``3.5``), or None when there is none."""
+    found = _NUMBER.findall(text)
+    if not found:
+        return None
+    try:
+        return float(found[-1].replace(",", "").rstrip("."))
+    except ValueError:
+        return None
+
+
+@register_reward("numeric_match")
+def numeric_match(prompts: list[str], completions: list[str], *, answer: list[str],
+                  **_: Any) -> list[float | None]:
+    """1.0 when the last number in the response equals the reference answer, else 0.0.
+
+    Answer format: the response may say anything, but its final number is read as the answer
+    ("3 + 4 = 7" and "The answer is 7." both score 1). A reference that is not a number makes
+    that row unscorable (None).
+    """
+    out: list[float | None] = []
+    for completion, ref in zip(completions, answer):
+        target = extract_number(str(ref))
+        if target is None:
+            out.append(None)
+            continue
+        got = extract_number(completion)
+        out.append(float(got is not None and math.isclose(got, target, abs_tol=1e-9)))
+    return out

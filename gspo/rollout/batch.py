@@ -1,0 +1,57 @@
+"""The rollout batch and how it becomes padded tensors for the trainer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Rollout:
+    """``N = B × G`` sampled responses, rows of a group contiguous.
+
+    ``logprobs[i]`` holds log π_old(y_it | ·) of each response token as the sampler saw it (fp32,
+    at the sampling temperature); the EOS token, when sampled, is part of the response.
+    """
+
+    prompt_ids: list[list[int]]
+    response_ids: list[list[int]]
+    logprobs: list[torch.Tensor]
+    truncated: list[bool]
+    group_size: int
+    routing: list[torch.Tensor] | None = None  # per MoE layer [n_response_tokens, k] (R3)
+    extras: dict[str, float] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.response_ids)
+
+    def select(self, idx: list[int]) -> Rollout:
+        return Rollout([self.prompt_ids[i] for i in idx], [self.response_ids[i] for i in idx],
+                       [self.logprobs[i] for i in idx], [self.truncated[i] for i in idx],
+                       self.group_size)
+
+
+def pad_batch(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int,
+              logprobs: list[torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Right-padded ``input_ids``, ``attention_mask``, ``response_mask`` (and ``old_logprobs``).
+
+    Right padding keeps every real token at the same position id as in an unpadded pass, which
+    is what keeps trainer and sampler log-probs equal to fp32 rounding.
+    """
+    lengths = [len(p) + len(r) for p, r in zip(prompt_ids, response_ids)]
+    n, t = len(lengths), max(lengths)
+    input_ids = torch.full((n, t), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((n, t), dtype=torch.long)
+    response_mask = torch.zeros((n, t), dtype=torch.float32)
+    old = torch.zeros((n, t), dtype=torch.float32)
+    for i, (p, r) in enumerate(zip(prompt_ids, response_ids)):
+        input_ids[i, : len(p) + len(r)] = torch.tensor(p + r, dtype=torch.long)
+        attention_mask[i, : len(p) + len(r)] = 1
+        response_mask[i, len(p): len(p) + len(r)] = 1.0
+        if logprobs is not None and len(r):
+            old[i, len(p): len(p) + len(r)] = logprobs[i]
+    out = {"input_ids": input_ids, "attention_mask": attention_mask, "response_mask": response_mask}
+    if logprobs is not None:
+        out["old_logprobs"] = old
+    return out

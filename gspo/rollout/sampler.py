@@ -1,0 +1,121 @@
+"""A KV-cached sampler that returns the policy's own fp32 log-probs.
+
+Differences from ``model.generate`` that matter for RL:
+- each prompt is prefilled once and its KV cache shared by its G samples;
+- rows that emitted EOS leave the decode batch, so late steps run on the unfinished rows only;
+- the log-prob of each sampled token is log_softmax(logits / temperature) in fp32, i.e. the
+  policy's, not the top-k/top-p-processed distribution (equal when top_k=0 and top_p=1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gspo.rollout.batch import Rollout
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 32
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+
+def eos_ids(model: Any, tokenizer: Any) -> list[int]:
+    ids = {tokenizer.eos_token_id}
+    gen = getattr(model, "generation_config", None)
+    extra = getattr(gen, "eos_token_id", None) if gen is not None else None
+    ids.update(extra if isinstance(extra, list) else [extra])
+    return sorted(i for i in ids if i is not None)
+
+
+def _left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        mask[i, width - len(p):] = 1
+    return ids, mask
+
+
+def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Sampling distribution's logits after top-k / top-p (unchanged when both are off)."""
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        cum = torch.softmax(sorted_logits, -1).cumsum(-1)
+        drop = cum - torch.softmax(sorted_logits, -1) > top_p  # keep the token that crosses p
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return logits
+
+
+@torch.no_grad()
+def generate(model: Any, prompts: list[list[int]], *, group_size: int, params: SamplingParams,
+             eos: list[int], pad_id: int, generator: torch.Generator | None = None,
+             greedy: bool = False) -> Rollout:
+    """Sample ``group_size`` responses for each prompt; rows of a group are contiguous."""
+    was_training = model.training
+    model.eval()
+    ids, mask = _left_pad(prompts, pad_id)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                logits_to_keep=1)
+    cache, logits = out.cache, out.logits[:, -1]
+    if group_size > 1:  # one prefill per prompt, shared by the group
+        cache.batch_repeat_interleave(group_size)
+        logits = logits.repeat_interleave(group_size, 0)
+        mask = mask.repeat_interleave(group_size, 0)
+    n = logits.shape[0]
+    next_pos = mask.sum(-1)
+    active = torch.arange(n)
+    tokens: list[list[int]] = [[] for _ in range(n)]
+    lps: list[list[float]] = [[] for _ in range(n)]
+    done = torch.zeros(n, dtype=torch.bool)
+    eos_t = torch.tensor(eos, dtype=torch.long)
+    for step in range(params.max_new_tokens):
+        scaled = logits.float() / (1.0 if greedy else params.temperature)
+        logp = torch.log_softmax(scaled, dim=-1)
+        if greedy:
+            tok = scaled.argmax(-1)
+        else:
+            probs = torch.softmax(_filter(scaled, params.top_k, params.top_p), -1)
+            tok = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        tok_lp = logp.gather(-1, tok[:, None]).squeeze(-1)
+        for j, row in enumerate(active.tolist()):
+            tokens[row].append(int(tok[j]))
+            lps[row].append(float(tok_lp[j]))
+        finished = torch.isin(tok, eos_t)
+        done[active[finished]] = True
+        if step == params.max_new_tokens - 1 or bool(finished.all()):
+            break
+        if bool(finished.any()):  # drop finished rows from the decode batch and the KV cache
+            keep = (~finished).nonzero().squeeze(-1)
+            cache.batch_select_indices(keep)
+            active, tok, mask, next_pos = active[keep], tok[keep], mask[keep], next_pos[keep]
+        mask = torch.cat([mask, torch.ones((mask.shape[0], 1), dtype=mask.dtype)], dim=1)
+        out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos[:, None],
+                    cache=cache, use_cache=True)
+        logits, next_pos = out.logits[:, -1], next_pos + 1
+    model.train(was_training)
+    return Rollout(
+        prompt_ids=[list(p) for p in prompts for _ in range(group_size)],
+        response_ids=tokens,
+        logprobs=[torch.tensor(x, dtype=torch.float32) for x in lps],
+        truncated=[not bool(d) for d in done],
+        group_size=group_size,
+    )
+
+
+def greedy_generate(model: Any, prompts: list[list[int]], *, max_new_tokens: int, eos: list[int],
+                    pad_id: int) -> list[list[int]]:
+    """Greedy responses (evaluation)."""
+    roll = generate(model, prompts, group_size=1, params=SamplingParams(max_new_tokens),
+                    eos=eos, pad_id=pad_id, greedy=True)
+    return roll.response_ids

@@ -1,0 +1,38 @@
+"""Greedy evaluation on held-out prompts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from gspo.data import format_prompt
+from gspo.rollout import greedy_generate
+
+
+@torch.no_grad()
+def evaluate(model: Any, tokenizer: Any, examples: list[Any], scorer: Any, *,
+             chat_template: bool, system_prompt: str, max_new_tokens: int, eos: list[int],
+             pad_id: int, batch_size: int = 32) -> dict[str, float]:
+    """Greedy responses scored by the run's reward functions.
+
+    ``accuracy`` is the share of prompts given full marks (reward equal to the sum of the reward
+    weights); ``reward_mean`` the mean reward; unscorable responses count as wrong.
+    """
+    full = sum(scorer.weights)
+    rewards: list[float] = []
+    for start in range(0, len(examples), batch_size):
+        chunk = examples[start:start + batch_size]
+        prompts = [format_prompt(tokenizer, ex.prompt, chat_template=chat_template,
+                                 system_prompt=system_prompt) for ex in chunk]
+        out = greedy_generate(model, prompts, max_new_tokens=max_new_tokens, eos=eos,
+                              pad_id=pad_id)
+        completions = tokenizer.batch_decode(out, skip_special_tokens=True)
+        columns: dict[str, list] = {"answer": [ex.answer for ex in chunk]}
+        for key in chunk[0].columns:
+            columns[key] = [ex.columns.get(key) for ex in chunk]
+        total, _ = scorer([ex.prompt for ex in chunk], completions, columns)
+        rewards += [0.0 if r != r else r for r in total]  # NaN (unscorable) counts as 0
+    n = max(len(rewards), 1)
+    return {"accuracy": sum(r >= full - 1e-9 for r in rewards) / n,
+            "reward_mean": sum(rewards) / n, "n": float(len(rewards))}

@@ -1,0 +1,277 @@
+"""The RL recipe, top to bottom: prompts → rollouts → rewards → advantages → updates → log.
+
+One :class:`Trainer` per run. ``setup`` loads everything that can fail on bad input *before*
+the run folder is created, so a bad config, model or dataset leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from gspo.config import TrainConfig, to_dict
+from gspo.data import build_task, format_prompt
+from gspo.models import load_model, token_logprobs
+from gspo.objectives import ADVANTAGES, OBJECTIVES, group_stats
+from gspo.rewards import RewardError, RewardScorer
+from gspo.rollout import SamplingParams, generate, pad_batch
+from gspo.rollout.sampler import eos_ids
+from gspo.trainer.checkpoint import latest_checkpoint, load_checkpoint_state, save_checkpoint
+from gspo.trainer.evaluate import evaluate
+from gspo.trainer.metrics import MetricsLogger, mean_stats
+from gspo.trainer.update import UpdateBatch, policy_update
+
+
+def _lr_lambda(cfg: TrainConfig, total: int):
+    warm, kind = cfg.optim.warmup_steps, cfg.optim.schedule
+
+    def f(i: int) -> float:
+        if warm and i < warm:
+            return (i + 1) / warm
+        frac = min(1.0, (i - warm) / max(1, total - warm))
+        if kind == "cosine":
+            return 0.5 * (1 + math.cos(math.pi * frac))
+        if kind == "linear":
+            return 1.0 - frac
+        return 1.0
+
+    return f
+
+
+class Trainer:
+    """``Trainer(cfg).setup(); trainer.train()``; the CLI does exactly this."""
+
+    def __init__(self, cfg: TrainConfig, *, reward_fns: list[Any] | None = None,
+                 model: Any = None, tokenizer: Any = None) -> None:
+        self.cfg = cfg
+        self.reward_specs = reward_fns or cfg.reward.functions
+        self.model, self.tokenizer = model, tokenizer
+        self.step = 0
+        self.history: list[dict[str, float]] = []
+
+    # ------------------------------------------------------------------ setup
+    def setup(self) -> Trainer:
+        cfg = self.cfg
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        torch.manual_seed(cfg.seed)
+        # Resolve everything that can fail on user input before touching the disk.
+        resume_ckpt = self._resume_checkpoint()
+        self.scorer = RewardScorer.from_specs(self.reward_specs, cfg.reward.weights)
+        self.task = build_task(cfg.task, cfg.seed)
+        OBJECTIVES.get(cfg.objective.name)
+        ADVANTAGES.get(cfg.objective.advantage)
+        dtype = getattr(torch, cfg.dtype)
+        if self.model is None:
+            source = str(resume_ckpt) if resume_ckpt else cfg.model
+            self.model, self.tokenizer = load_model(source, dtype=dtype, seed=cfg.seed)
+        if cfg.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable()
+        self.eos, self.pad_id = eos_ids(self.model, self.tokenizer), self.tokenizer.pad_token_id
+        self.ref_model = self._reference_model() if cfg.objective.beta > 0 else None
+        self.optimizer = torch.optim.AdamW(
+            [p for p in self.model.parameters() if p.requires_grad], lr=cfg.optim.lr,
+            betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay)
+        total = cfg.steps * cfg.objective.num_minibatches * cfg.objective.epochs
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(cfg, total))
+        if cfg.objective.num_minibatches == 1 and cfg.objective.epochs == 1:
+            warnings.warn("one minibatch and one epoch: every ratio is 1, so GSPO, GSPO-token "
+                          "and GRPO compute the same update (clipping never acts)", stacklevel=2)
+        self.run_dir = self._make_run_dir()
+        if resume_ckpt is not None:
+            self._restore(resume_ckpt)
+        self.logger = MetricsLogger(self.run_dir, cfg.tensorboard,
+                                    resume_step=self.step if resume_ckpt else -1)
+        return self
+
+    def _resume_checkpoint(self) -> Path | None:
+        if not self.cfg.resume:
+            return None
+        ckpt = latest_checkpoint(Path(self.cfg.resume) / "checkpoints")
+        if ckpt is None:
+            raise FileNotFoundError(f"resume: no complete checkpoint in {self.cfg.resume}")
+        return ckpt
+
+    def _reference_model(self) -> Any:
+        import copy
+
+        ref = copy.deepcopy(self.model).eval()
+        for p in ref.parameters():
+            p.requires_grad_(False)
+        return ref
+
+    def _make_run_dir(self) -> Path:
+        cfg = self.cfg
+        if cfg.resume:
+            run_dir = Path(cfg.resume)
+        else:
+            name = cfg.run_name or time.strftime("%Y%m%d-%H%M%S")
+            run_dir = Path(cfg.output_dir) / name
+            if (run_dir / "metrics.jsonl").exists():
+                raise FileExistsError(f"run folder {run_dir} already holds a run; "
+                                      f"pick another run_name or resume={run_dir}")
+            run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        return run_dir
+
+    def _restore(self, ckpt: Path) -> None:
+        optim_state, state = load_checkpoint_state(ckpt)
+        self.optimizer.load_state_dict(optim_state["optimizer"])
+        self.scheduler.load_state_dict(optim_state["scheduler"])
+        self.task.load_state_dict(state["task"])
+        torch.set_rng_state(optim_state["torch_rng"])
+        self.step, self.history = state["step"], state.get("history", [])
+        self.baseline_eval = state.get("baseline_eval")
+
+    def save_checkpoint(self) -> Path:
+        optim_state = {"optimizer": self.optimizer.state_dict(),
+                       "scheduler": self.scheduler.state_dict(),
+                       "torch_rng": torch.get_rng_state()}
+        state = {"step": self.step, "task": self.task.state_dict(), "history": self.history,
+                 "baseline_eval": getattr(self, "baseline_eval", None)}
+        return save_checkpoint(self.run_dir / "checkpoints", self.step, self.model,
+                               self.tokenizer, optim_state, state, self.cfg.keep_checkpoints)
+
+    # ------------------------------------------------------------------ one RL step
+    def rollout(self) -> tuple[list[Any], Any]:
+        cfg = self.cfg.rollout
+        examples = self.task.sample(cfg.prompts_per_step)
+        prompts = [format_prompt(self.tokenizer, ex.prompt, chat_template=self.cfg.task.chat_template,
+                                 system_prompt=self.cfg.task.system_prompt) for ex in examples]
+        # A per-step generator makes sampling a function of (seed, step): resume is exact.
+        gen = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + self.step)
+        params = SamplingParams(cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k)
+        roll = generate(self.model, prompts, group_size=cfg.group_size, params=params,
+                        eos=self.eos, pad_id=self.pad_id, generator=gen)
+        return examples, roll
+
+    def score(self, examples: list[Any], roll: Any) -> tuple[torch.Tensor, dict[str, float]]:
+        g = roll.group_size
+        completions = self.tokenizer.batch_decode(roll.response_ids, skip_special_tokens=True)
+        prompts = [ex.prompt for ex in examples for _ in range(g)]
+        columns: dict[str, list] = {"answer": [ex.answer for ex in examples for _ in range(g)]}
+        for key in examples[0].columns:
+            columns[key] = [ex.columns.get(key) for ex in examples for _ in range(g)]
+        total, per_fn = self.scorer(prompts, completions, columns)
+        rewards = torch.tensor(total, dtype=torch.float32)
+        unscorable = float(torch.isnan(rewards).float().mean())
+        if unscorable > self.cfg.reward.max_unscorable_frac:
+            first = next(iter(self.scorer.first_errors.values()), "reward returned None")
+            raise RewardError(f"{unscorable:.0%} of responses could not be scored "
+                              f"(> reward.max_unscorable_frac); first error: "
+                              f"{first.strip().splitlines()[-1]}")
+        extra = {f"reward/{k}": float(torch.tensor(v).nanmean()) for k, v in per_fn.items()
+                 if len(per_fn) > 1}
+        self._last_samples = list(zip(prompts[:g:g], completions[:1], total[:1]))
+        return rewards, extra
+
+    @torch.no_grad()
+    def old_logprobs(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """log π_old recomputed by the trainer in fp32, and the policy's entropy."""
+        self.model.eval()
+        return token_logprobs(self.model, batch["input_ids"], batch["attention_mask"],
+                              batch["response_mask"], temperature=self.cfg.rollout.temperature,
+                              chunk=self.cfg.logprob_chunk, with_entropy=True)
+
+    def train_step(self) -> dict[str, float]:
+        cfg, t = self.cfg, {}
+        t0 = time.perf_counter()
+        examples, roll = self.rollout()
+        t["rollout"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        rewards, reward_extra = self.score(examples, roll)
+        adv = ADVANTAGES[cfg.objective.advantage](rewards, roll.group_size,
+                                                  scale=cfg.objective.scale_rewards)
+        t["reward"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        batch = pad_batch(roll.prompt_ids, roll.response_ids, self.pad_id, roll.logprobs)
+        recomputed, entropy = self.old_logprobs(batch)
+        mask = batch["response_mask"]
+        rollout_gap = ((recomputed - batch["old_logprobs"]) * mask).sum(1) / mask.sum(1).clamp(min=1)
+        old = recomputed if cfg.objective.old_logprobs == "recompute" else batch["old_logprobs"]
+        ref = None
+        if self.ref_model is not None:
+            ref, _ = token_logprobs(self.ref_model, batch["input_ids"], batch["attention_mask"],
+                                    mask, temperature=cfg.rollout.temperature,
+                                    chunk=cfg.logprob_chunk)
+        t["old_logprobs"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        update = UpdateBatch(batch["input_ids"], batch["attention_mask"], mask, old, adv, ref)
+        gen = torch.Generator().manual_seed(cfg.seed * 7_919 + self.step)
+        stats, skipped = policy_update(
+            self.model, self.optimizer, self.scheduler, update, objective=cfg.objective,
+            temperature=cfg.rollout.temperature, chunk=cfg.logprob_chunk,
+            grad_clip=cfg.optim.grad_clip, generator=gen)
+        t["update"] = time.perf_counter() - t0
+        n_resp = sum(len(r) for r in roll.response_ids)
+        n_tokens = int(batch["attention_mask"].sum())
+        lengths = torch.tensor([len(r) for r in roll.response_ids], dtype=torch.float32)
+        metrics = {
+            **{k: float(v) for k, v in group_stats(rewards, roll.group_size).items()},
+            **reward_extra,
+            **mean_stats(stats),
+            "train/skipped_updates": skipped,
+            "train/lr": self.scheduler.get_last_lr()[0],
+            "train/entropy": float((entropy * mask).sum() / mask.sum().clamp(min=1)),
+            "rollout/response_len_mean": float(lengths.mean()),
+            "rollout/response_len_max": float(lengths.max()),
+            "rollout/truncated_frac": sum(roll.truncated) / len(roll),
+            "rollout/logprob_gap_abs_max": float(rollout_gap.abs().max()),
+            "perf/rollout_tokens_per_s": n_resp / max(t["rollout"], 1e-9),
+            "perf/update_tokens_per_s": n_tokens * cfg.objective.epochs / max(t["update"], 1e-9),
+            **{f"time/{k}_s": v for k, v in t.items()},
+        }
+        return metrics
+
+    # ------------------------------------------------------------------ the loop
+    def evaluate(self) -> dict[str, float]:
+        return evaluate(self.model, self.tokenizer, self.task.eval_examples, self.scorer,
+                        chat_template=self.cfg.task.chat_template,
+                        system_prompt=self.cfg.task.system_prompt,
+                        max_new_tokens=self.cfg.rollout.eval_max_new_tokens, eos=self.eos,
+                        pad_id=self.pad_id)
+
+    def train(self) -> dict[str, Any]:
+        from tqdm.auto import tqdm
+
+        cfg = self.cfg
+        if self.step == 0 and cfg.eval_before and self.task.eval_examples:
+            self.baseline_eval = self.evaluate()
+            self.logger.log(0, {f"eval/{k}": v for k, v in self.baseline_eval.items()})
+            print(f"held-out before training: accuracy {self.baseline_eval['accuracy']:.1%} "
+                  f"on {len(self.task.eval_examples)} problems", flush=True)
+        bar = tqdm(total=cfg.steps, initial=self.step, disable=not cfg.progress, desc="train",
+                   dynamic_ncols=True)
+        while self.step < cfg.steps:
+            metrics = self.train_step()
+            self.step += 1
+            if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < cfg.steps:
+                metrics.update({f"eval/{k}": v for k, v in self.evaluate().items()})
+            self.logger.log(self.step, metrics)
+            self.history.append({k: metrics[k] for k in ("reward/mean",) if k in metrics})
+            bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}",
+                            clip=f"{metrics.get('objective/clip_frac_tokens', 0):.3f}")
+            bar.update(1)
+            if cfg.save_every and self.step % cfg.save_every == 0 and self.step < cfg.steps:
+                self.save_checkpoint()
+        bar.close()
+        final = self.evaluate() if self.task.eval_examples else {}
+        if final:
+            self.logger.log(self.step, {f"eval/{k}": v for k, v in final.items()})
+        self.save_checkpoint()
+        result = {"steps": self.step, "before": getattr(self, "baseline_eval", None),
+                  "after": final, "run_dir": str(self.run_dir)}
+        (self.run_dir / "final_eval.json").write_text(json.dumps(result, indent=2))
+        self.logger.close()
+        return result
+
+    def resolved_config(self) -> dict[str, Any]:
+        return dataclasses.asdict(self.cfg)
