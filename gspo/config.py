@@ -21,6 +21,15 @@ import yaml
 class ConfigError(ValueError):
     """A configuration problem the user must fix; its message is one line naming the field."""
 
+    def __init__(self, msg: str) -> None:  # keys and values come from users: escape line breaks
+        super().__init__("".join(c if len(f"a{c}b".splitlines()) == 1
+                                 else c.encode("unicode_escape").decode() for c in str(msg)))
+
+
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else type(e).__name__
+
 
 def _f(default: Any, help: str, **kw: Any) -> Any:
     if isinstance(default, (list, dict)):
@@ -169,7 +178,10 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                 raise ConfigError(f"{key}: expected a number, got {value!r}") from None
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key}: expected a number, got {value!r}")
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # an integer too large for a float
+            raise ConfigError(f"{key}: number out of range") from None
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{key}: expected an integer, got {value!r}")
@@ -208,7 +220,7 @@ def parse_override(item: str) -> dict[str, Any]:
         raise ConfigError(f"override '{item}' has an empty key")
     try:
         value = yaml.safe_load(raw) if raw != "" else ""
-    except yaml.YAMLError:
+    except Exception:  # PyYAML also raises ValueError, KeyError, ... on bad scalars/tags
         value = raw
     for part in reversed(key.split(".")):
         value = {part: value}
@@ -224,8 +236,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"config file not found: {p}")
         try:
             data = yaml.safe_load(p.read_text())
-        except (yaml.YAMLError, UnicodeDecodeError) as e:
-            raise ConfigError(f"{p}: not valid YAML ({str(e).splitlines()[0]})") from None
+        except OSError as e:
+            raise ConfigError(f"{p}: cannot read ({_first_line(e)})") from None
+        except Exception as e:  # PyYAML also raises ValueError, KeyError, ... on bad scalars
+            raise ConfigError(f"{p}: not valid YAML ({_first_line(e)})") from None
         _merge(cfg, data or {})
     for item in overrides or []:
         _merge(cfg, parse_override(item))
@@ -265,7 +279,8 @@ def validate(cfg: TrainConfig) -> None:
     _check(all(1 <= lv <= 4 for lv in t.levels + t.eval_levels), "task levels must be in 1..4")
     _check(not t.level_weights or len(t.level_weights) == len(t.levels),
            "task.level_weights must have one weight per level")
-    _check(all(w >= 0 for w in t.level_weights) and (not t.level_weights or sum(t.level_weights) > 0),
+    weights = t.level_weights
+    _check(all(w >= 0 for w in weights) and (not weights or sum(weights) > 0),
            "task.level_weights must be non-negative and not all zero")
     _check(all(op in ("+", "-", "*") for op in t.operations) and bool(t.operations),
            "task.operations must be a non-empty list of '+', '-', '*'")
@@ -290,5 +305,6 @@ def describe_fields(cls: type = TrainConfig, prefix: str = "") -> list[tuple[str
         if dataclasses.is_dataclass(tp):
             rows += describe_fields(tp, f"{prefix}{f.name}.")
         else:
-            rows.append((f"{prefix}{f.name}", repr(getattr(inst, f.name)), f.metadata.get("help", "")))
+            help_text = f.metadata.get("help", "")
+            rows.append((f"{prefix}{f.name}", repr(getattr(inst, f.name)), help_text))
     return rows

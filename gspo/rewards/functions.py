@@ -35,14 +35,17 @@ def resolve_reward(spec: str | RewardFn) -> RewardFn:
         module_name, _, attr = spec.partition(":")
         try:
             fn = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as e:
-            raise RewardSpecError(f"reward '{spec}' cannot be imported ({e})") from None
+        except Exception as e:  # also ValueError (':f'), TypeError ('..m:f'), import-time errors
+            lines = str(e).strip().splitlines()
+            why = f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+            raise RewardSpecError(f"reward '{spec}' cannot be imported ({why})") from None
         if not callable(fn):
             raise RewardSpecError(f"reward '{spec}' is not callable")
         return fn
     if spec not in REWARDS:
-        raise RewardSpecError(f"unknown reward '{spec}'; choose one of: {', '.join(sorted(REWARDS))}"
-                         " or give 'module:function'")
+        names = ", ".join(sorted(REWARDS))
+        raise RewardSpecError(f"unknown reward '{spec}'; choose one of: {names} "
+                              "or give 'module:function'")
     return REWARDS[spec]
 
 

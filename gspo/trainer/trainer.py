@@ -144,8 +144,9 @@ class Trainer:
     def rollout(self) -> tuple[list[Any], Any]:
         cfg = self.cfg.rollout
         examples = self.task.sample(cfg.prompts_per_step)
-        prompts = [format_prompt(self.tokenizer, ex.prompt, chat_template=self.cfg.task.chat_template,
-                                 system_prompt=self.cfg.task.system_prompt) for ex in examples]
+        task = self.cfg.task
+        prompts = [format_prompt(self.tokenizer, ex.prompt, chat_template=task.chat_template,
+                                 system_prompt=task.system_prompt) for ex in examples]
         # A per-step generator makes sampling a function of (seed, step): resume is exact.
         gen = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + self.step)
         params = SamplingParams(cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k)
@@ -195,7 +196,8 @@ class Trainer:
         batch = pad_batch(roll.prompt_ids, roll.response_ids, self.pad_id, roll.logprobs)
         recomputed, entropy = self.old_logprobs(batch)
         mask = batch["response_mask"]
-        rollout_gap = ((recomputed - batch["old_logprobs"]) * mask).sum(1) / mask.sum(1).clamp(min=1)
+        n_tok = mask.sum(1).clamp(min=1)
+        rollout_gap = ((recomputed - batch["old_logprobs"]) * mask).sum(1) / n_tok
         old = recomputed if cfg.objective.old_logprobs == "recompute" else batch["old_logprobs"]
         ref = None
         if self.ref_model is not None:

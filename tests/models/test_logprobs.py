@@ -1,0 +1,60 @@
+import torch
+
+from gspo.models.logprobs import token_logprobs
+from gspo.models.tiny import build_tiny
+
+
+def _batch(vocab: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (3, 12), generator=g)
+    attn = torch.ones_like(ids)
+    attn[1, 9:] = 0  # right padding
+    target = torch.zeros(3, 12)
+    target[:, 5:] = 1
+    target[1, 9:] = 0
+    return ids, attn, target
+
+
+def _naive(model, ids, attn, target, temperature):
+    logits = model(input_ids=ids, attention_mask=attn).logits.float() / temperature
+    lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    out = torch.zeros(ids.shape)
+    out[:, 1:] = lp
+    return out * target
+
+
+def test_chunked_logprobs_match_full_log_softmax_value_and_grad():
+    model, _ = build_tiny("llama", seed=0)
+    ids, attn, target = _batch(model.config.vocab_size)
+    ref = _naive(model, ids, attn, target, 0.7)
+    ref.sum().backward()
+    ref_grad = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    lp, _ = token_logprobs(model, ids, attn, target, temperature=0.7, chunk=5)
+    assert lp.dtype == torch.float32
+    torch.testing.assert_close(lp, ref, atol=1e-5, rtol=1e-5)
+    lp.sum().backward()
+    for a, b in zip([p.grad for p in model.parameters()], ref_grad):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_padding_and_batch_composition_do_not_change_logprobs():
+    model, _ = build_tiny("llama", seed=1)
+    ids, attn, target = _batch(model.config.vocab_size, seed=3)
+    with torch.no_grad():
+        full, _ = token_logprobs(model, ids, attn, target)
+        alone, _ = token_logprobs(model, ids[1:2, :9], attn[1:2, :9], target[1:2, :9])
+    diff = (full[1, :9] - alone[0]).abs().max()
+    assert diff < 1e-5
+    assert torch.all(full[target == 0] == 0)
+
+
+def test_entropy_is_computed_only_when_asked():
+    model, _ = build_tiny("llama", seed=2)
+    ids, attn, target = _batch(model.config.vocab_size)
+    with torch.no_grad():
+        _, none = token_logprobs(model, ids, attn, target)
+        _, ent = token_logprobs(model, ids, attn, target, with_entropy=True)
+    assert torch.all(none == 0)
+    valid = ent[target.bool()]
+    assert torch.all(valid > 0) and torch.all(valid <= torch.log(torch.tensor(259.0)) + 1e-4)
