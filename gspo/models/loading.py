@@ -85,7 +85,10 @@ def load_model(name: str, *, dtype: torch.dtype = torch.float32, seed: int = 0) 
     if isinstance(where, str):
         from gspo.models.tiny import build_tiny
 
-        return build_tiny(where.removeprefix("tiny:"), dtype=dtype, seed=seed)
+        try:
+            return build_tiny(where.removeprefix("tiny:"), dtype=dtype, seed=seed)
+        except ValueError as e:
+            raise ModelError(f"model: {e}") from None
     tokenizer = AutoTokenizer.from_pretrained(where)
     model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype)
     if tokenizer.pad_token_id is None:

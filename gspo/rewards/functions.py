@@ -78,3 +78,13 @@ def numeric_match(prompts: list[str], completions: list[str], *, answer: list[st
         got = extract_number(completion)
         out.append(float(got is not None and math.isclose(got, target, abs_tol=1e-9)))
     return out
+
+
+@register_reward("code")
+def code_tests(prompts: list[str], completions: list[str], *, tests: list[Any],
+               **columns: Any) -> list[float | None]:
+    """Fraction of a row's tests that the response's Python code passes, run in the sandbox
+    (:mod:`gspo.rewards.sandbox`); every program failure scores 0.0."""
+    from gspo.rewards.sandbox import code_reward
+
+    return code_reward(prompts, completions, tests=tests, **columns)

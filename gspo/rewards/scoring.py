@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -49,7 +50,11 @@ class RewardScorer:
             return [math.nan] * n
         out = []
         for v in values:
-            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            ok = isinstance(v, numbers.Real) and not isinstance(v, bool)  # numpy scalars too
+            try:
+                ok = ok and math.isfinite(v)
+            except OverflowError:  # an int too large for a float
+                ok = False
             if not ok and v is not None:
                 self.failures[name] = self.failures.get(name, 0) + 1
                 self.first_errors.setdefault(name, f"non-numeric reward value {v!r}")

@@ -1,0 +1,264 @@
+"""Reward functions: numeric_match, resolving specs, and the defensive RewardScorer."""
+
+from __future__ import annotations
+
+import math
+import textwrap
+
+import pytest
+
+from gspo.rewards import (
+    REWARDS,
+    RewardScorer,
+    RewardSpecError,
+    numeric_match,
+    register_reward,
+    resolve_reward,
+)
+
+# ----------------------------------------------------------------------------- numeric_match
+
+
+def nm(completion: str, answer: str) -> float | None:
+    (out,) = numeric_match(["p"], [completion], answer=[answer])
+    return out
+
+
+@pytest.mark.parametrize("completion, answer, expected", [
+    ("7", "7", 1.0),
+    ("The answer is 7.", "7", 1.0),
+    ("3 + 4 = 7", "7", 1.0),  # last number wins
+    ("7, no wait, 8", "7", 0.0),
+    ("8? No: 7", "7", 1.0),
+    ("1,234", "1234", 1.0),
+    ("It is 1,234,567 exactly", "1234567", 1.0),
+    ("-5", "-5", 1.0),
+    ("10 - 15 = -5", "-5", 1.0),
+    ("5", "-5", 0.0),
+    ("3.5", "3.5", 1.0),
+    ("3.50", "3.5", 1.0),
+    ("7.0", "7", 1.0),
+    ("0.1", "0", 0.0),
+    ("no number here", "7", 0.0),
+    ("", "7", 0.0),
+    ("seven", "7", 0.0),
+    ("answer: 12\n", "12", 1.0),
+    ("x=12x", "12", 1.0),
+])
+def test_numeric_match(completion, answer, expected):
+    assert nm(completion, answer) == expected
+
+
+@pytest.mark.parametrize("answer", ["seven", "", "n/a", "abc def"])
+def test_numeric_match_non_numeric_reference_is_unscorable(answer):
+    assert nm("7", answer) is None
+
+
+def test_numeric_match_batch_and_columns():
+    out = numeric_match(["a", "b", "c"], ["1", "2", "x"], answer=["1", "3", "4"], level=[1, 2, 3])
+    assert out == [1.0, 0.0, 0.0]
+    assert all(isinstance(v, float) for v in out)
+
+
+def test_numeric_match_is_registered():
+    assert REWARDS["numeric_match"] is numeric_match
+
+
+# ----------------------------------------------------------------------------- resolve_reward
+
+
+def test_resolve_by_name():
+    assert resolve_reward("numeric_match") is numeric_match
+
+
+def test_resolve_callable():
+    def mine(prompts, completions, **_):
+        return [0.0] * len(completions)
+
+    assert resolve_reward(mine) is mine
+    assert resolve_reward(len) is len
+
+
+def test_resolve_module_function(tmp_path, monkeypatch):
+    (tmp_path / "my_rewards_mod.py").write_text(textwrap.dedent("""
+        def length_reward(prompts, completions, **_):
+            return [float(len(c)) for c in completions]
+
+        NOT_CALLABLE = 3
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    fn = resolve_reward("my_rewards_mod:length_reward")
+    assert fn(["p"], ["abc"]) == [3.0]
+    with pytest.raises(RewardSpecError, match="not callable"):
+        resolve_reward("my_rewards_mod:NOT_CALLABLE")
+    with pytest.raises(RewardSpecError, match="my_rewards_mod:missing"):
+        resolve_reward("my_rewards_mod:missing")
+
+
+def test_register_reward_rejects_duplicates():
+    with pytest.raises(ValueError, match="already registered"):
+        register_reward("numeric_match")(lambda p, c, **_: [])
+
+
+def _one_line(e: pytest.ExceptionInfo) -> str:
+    msg = str(e.value)
+    assert msg and len(msg.splitlines()) == 1, msg
+    return msg
+
+
+@pytest.mark.parametrize("spec, needle", [
+    ("nope", "unknown reward 'nope'"),
+    ("no_such_module_xyz:f", "no_such_module_xyz"),
+    ("json:no_such_attr", "json:no_such_attr"),
+    (":f", "':f'"),
+    ("..rel:f", "..rel:f"),
+    ("json:", "json:"),
+])
+def test_resolve_errors(spec, needle):
+    with pytest.raises(RewardSpecError) as e:
+        resolve_reward(spec)
+    assert needle in _one_line(e)
+
+
+def test_unknown_name_lists_choices():
+    with pytest.raises(RewardSpecError, match="numeric_match") as e:
+        resolve_reward("numeric_matc")
+    assert "module:function" in _one_line(e)
+
+
+def test_resolve_module_broken_at_import(tmp_path, monkeypatch):
+    (tmp_path / "broken_rewards_mod.py").write_text("raise RuntimeError('boom\\nsecond line')\n")
+    (tmp_path / "bad_syntax_rewards_mod.py").write_text("def f(:\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(RewardSpecError, match="boom") as e:
+        resolve_reward("broken_rewards_mod:f")
+    _one_line(e)
+    with pytest.raises(RewardSpecError, match="bad_syntax_rewards_mod") as e:
+        resolve_reward("bad_syntax_rewards_mod:f")
+    _one_line(e)
+
+
+# ----------------------------------------------------------------------------- RewardScorer
+
+
+def const(value):
+    def fn(prompts, completions, **_):
+        return [value] * len(completions)
+
+    fn.__name__ = f"const_{value!r}"
+    return fn
+
+
+def nan_at(values: list[float]) -> list[bool]:
+    return [math.isnan(v) for v in values]
+
+
+PROMPTS, COMPLETIONS = ["p1", "p2", "p3"], ["7", "8", "x"]
+COLUMNS = {"answer": ["7", "9", "1"]}
+
+
+def test_scorer_weighted_sum():
+    scorer = RewardScorer.from_specs(["numeric_match", const(0.5)], [2.0, -1.0])
+    total, per_fn = scorer(PROMPTS, COMPLETIONS, COLUMNS)
+    assert per_fn["numeric_match"] == [1.0, 0.0, 0.0]
+    assert per_fn["const_0.5"] == [0.5, 0.5, 0.5]
+    assert total == pytest.approx([1.5, -0.5, -0.5])
+    assert scorer.failures == {} and scorer.first_errors == {}
+
+
+def test_scorer_default_weights_and_columns_passed():
+    seen = {}
+
+    def spy(prompts, completions, **columns):
+        seen.update(columns, prompts=prompts)
+        return [1] * len(completions)  # ints are fine
+
+    scorer = RewardScorer.from_specs([spy, "numeric_match"])
+    assert scorer.weights == [1.0, 1.0]
+    assert scorer.names == ["spy", "numeric_match"]
+    total, _ = scorer(PROMPTS, COMPLETIONS, {**COLUMNS, "level": [1, 2, 3]})
+    assert total == [2.0, 1.0, 1.0]
+    assert seen == {"answer": ["7", "9", "1"], "level": [1, 2, 3], "prompts": PROMPTS}
+
+
+def test_scorer_exception_gives_nan_and_keeps_first_traceback():
+    calls = []
+
+    def boom(prompts, completions, **_):
+        calls.append(len(calls))
+        raise ZeroDivisionError(f"call {len(calls)}")
+
+    scorer = RewardScorer.from_specs(["numeric_match", boom])
+    total, per_fn = scorer(PROMPTS, COMPLETIONS, COLUMNS)
+    assert all(nan_at(total))
+    assert all(nan_at(per_fn["boom"]))
+    assert per_fn["numeric_match"] == [1.0, 0.0, 0.0]  # other functions still scored
+    assert "ZeroDivisionError: call 1" in scorer.first_errors["boom"]
+    assert "Traceback" in scorer.first_errors["boom"]
+    scorer(PROMPTS, COMPLETIONS, COLUMNS)
+    assert "call 1" in scorer.first_errors["boom"]  # the first one is kept
+    assert scorer.failures["boom"] == 6
+    assert "numeric_match" not in scorer.failures
+
+
+@pytest.mark.parametrize("returned", [[1.0], [1.0] * 4, [], None, 3.0, "abc"])
+def test_scorer_wrong_length_or_type_is_nan(returned):
+    def bad(prompts, completions, **_):
+        return returned
+
+    scorer = RewardScorer.from_specs([bad, const(1.0)])
+    total, per_fn = scorer(PROMPTS, COMPLETIONS, COLUMNS)
+    assert all(nan_at(total)) and all(nan_at(per_fn["bad"]))
+    assert per_fn["const_1.0"] == [1.0, 1.0, 1.0]
+    assert "bad" in scorer.first_errors and scorer.failures["bad"] == 3
+
+
+def test_scorer_bad_values_are_nan_per_response():
+    def mixed(prompts, completions, **_):
+        return [None, math.inf, "0.5"]
+
+    def mixed2(prompts, completions, **_):
+        return [True, -math.inf, math.nan]
+
+    scorer = RewardScorer.from_specs([mixed, mixed2, const(2.0)])
+    total, per_fn = scorer(PROMPTS, COMPLETIONS, COLUMNS)
+    assert all(nan_at(per_fn["mixed"])) and all(nan_at(per_fn["mixed2"]))
+    assert all(nan_at(total))
+    assert per_fn["const_2.0"] == [2.0, 2.0, 2.0]
+    # None is a legitimate "cannot score"; the others are reported.
+    assert scorer.failures["mixed"] == 2
+    assert scorer.failures["mixed2"] == 3
+    assert "inf" in scorer.first_errors["mixed"]
+
+
+def test_scorer_one_bad_row_does_not_spoil_others():
+    def partial(prompts, completions, **_):
+        return [1.0, None, 0.25]
+
+    total, _ = RewardScorer.from_specs([partial, "numeric_match"])(PROMPTS, COMPLETIONS, COLUMNS)
+    assert total[0] == 2.0 and math.isnan(total[1]) and total[2] == 0.25
+
+
+def test_scorer_accepts_numpy_and_generators():
+    np = pytest.importorskip("numpy")
+
+    def numpy_fn(prompts, completions, **_):
+        return np.array([1.0, 0.0, 0.5], dtype=np.float32)
+
+    def gen_fn(prompts, completions, **_):
+        return (np.int64(i) for i in range(len(completions)))
+
+    total, per_fn = RewardScorer.from_specs([numpy_fn, gen_fn])(PROMPTS, COMPLETIONS, COLUMNS)
+    assert per_fn["numpy_fn"] == [1.0, 0.0, 0.5]
+    assert per_fn["gen_fn"] == [0.0, 1.0, 2.0]
+    assert total == [1.0, 1.0, 2.5]
+
+
+def test_scorer_huge_int_is_nan_not_crash():
+    total, _ = RewardScorer.from_specs([const(10**400)])(PROMPTS, COMPLETIONS, COLUMNS)
+    assert all(nan_at(total))
+
+
+def test_scorer_from_specs_unknown_raises():
+    with pytest.raises(RewardSpecError):
+        RewardScorer.from_specs(["numeric_match", "not_a_reward"])

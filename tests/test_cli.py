@@ -1,0 +1,222 @@
+"""The command line on bad input: exit code 2, one line on stderr, no run folder.
+
+Everything runs in-process through ``gspo.cli.main``. No test loads or trains a model: every
+error must be raised before the model is loaded.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gspo.cli import main
+from gspo.config import describe_fields
+
+
+def fail(capsys, tmp_path: Path, *args: str, cmd: str = "train") -> str:
+    runs = tmp_path / "runs"
+    code = main([cmd, *args, f"output_dir={runs}"])
+    out, err = capsys.readouterr()
+    lines = err.splitlines()
+    assert code == 2, (out, err)
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"gspo {cmd}: error: "), err
+    assert "Traceback" not in err + out
+    assert "run folder" not in out
+    assert not runs.exists() or not any(runs.iterdir()), list(runs.iterdir())
+    return lines[0]
+
+
+def jsonl(tmp_path: Path, *lines: str) -> str:
+    p = tmp_path / "data.jsonl"
+    p.write_text("".join(line + "\n" for line in lines))
+    return str(p)
+
+
+TINY = "model=tiny:llama"  # never the real model, even if an error were not raised
+
+
+# ----------------------------------------------------------------------------- config errors
+
+
+def test_unknown_key(capsys, tmp_path):
+    assert "'stpes'" in fail(capsys, tmp_path, TINY, "stpes=3")
+
+
+def test_unknown_nested_key(capsys, tmp_path):
+    assert "objective.eps" in fail(capsys, tmp_path, TINY, "objective.eps=0.1")
+
+
+def test_wrong_type(capsys, tmp_path):
+    assert "steps" in fail(capsys, tmp_path, TINY, "steps=abc")
+    assert "eval_before" in fail(capsys, tmp_path, TINY, "eval_before=3")
+
+
+def test_group_size_one(capsys, tmp_path):
+    assert "rollout.group_size" in fail(capsys, tmp_path, TINY, "rollout.group_size=1")
+
+
+def test_missing_config_file(capsys, tmp_path):
+    assert "not found" in fail(capsys, tmp_path, str(tmp_path / "nope.yaml"), TINY)
+
+
+def test_bad_yaml_file(capsys, tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("steps: [1\nmodel: 2001-13-45\n")
+    assert "bad.yaml" in fail(capsys, tmp_path, str(p), TINY)
+    p.write_text("model: 2001-13-45\nseed: !!int nope\n")
+    assert "bad.yaml" in fail(capsys, tmp_path, str(p), TINY)
+
+
+def test_positional_after_config(capsys, tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("steps: 1\n")
+    assert "key=value" in fail(capsys, tmp_path, str(p), "steps", TINY)
+
+
+def test_override_with_line_break_stays_one_line(capsys, tmp_path):
+    fail(capsys, tmp_path, TINY, "ste\nps=1")
+
+
+# ----------------------------------------------------------------------------- model errors
+
+
+def test_missing_model_folder(capsys, tmp_path):
+    msg = fail(capsys, tmp_path, "model=/nonexistent")
+    assert "/nonexistent" in msg
+
+
+def test_model_folder_without_config(capsys, tmp_path):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "weights.bin").write_bytes(b"")
+    assert "config.json" in fail(capsys, tmp_path, f"model={folder}")
+
+
+# ----------------------------------------------------------------------------- dataset errors
+
+
+def test_dataset_row_missing_answer(capsys, tmp_path):
+    path = jsonl(tmp_path, '{"prompt": "1+1?", "answer": 2}', '{"prompt": "2+2?"}')
+    msg = fail(capsys, tmp_path, TINY, "task.name=jsonl", f"task.path={path}")
+    assert f"{path}:2: missing field 'answer'" in msg
+
+
+def test_dataset_custom_answer_field_missing(capsys, tmp_path):
+    path = jsonl(tmp_path, '{"prompt": "1+1?", "answer": 2}')
+    msg = fail(capsys, tmp_path, TINY, "task.name=jsonl", f"task.path={path}",
+               "task.answer_field=target")
+    assert "'target'" in msg
+
+
+def test_empty_dataset(capsys, tmp_path):
+    path = jsonl(tmp_path)
+    assert "empty" in fail(capsys, tmp_path, TINY, "task.name=jsonl", f"task.path={path}")
+    path = jsonl(tmp_path, "", "   ")
+    assert "empty" in fail(capsys, tmp_path, TINY, "task.name=jsonl", f"task.path={path}")
+
+
+def test_invalid_json_line(capsys, tmp_path):
+    path = jsonl(tmp_path, json.dumps({"prompt": "a", "answer": 1}), "{not json")
+    msg = fail(capsys, tmp_path, TINY, "task.name=jsonl", f"task.path={path}")
+    assert f"{path}:2: invalid JSON" in msg
+
+
+def test_missing_dataset_and_eval_file(capsys, tmp_path):
+    missing = tmp_path / "missing.jsonl"
+    assert "not found" in fail(capsys, tmp_path, TINY, "task.name=jsonl", f"task.path={missing}")
+    path = jsonl(tmp_path, json.dumps({"prompt": "a", "answer": 1}))
+    msg = fail(capsys, tmp_path, TINY, "task.name=jsonl", f"task.path={path}",
+               f"task.eval_path={missing}")
+    assert "missing.jsonl" in msg
+
+
+def test_jsonl_without_path(capsys, tmp_path):
+    assert "task.path" in fail(capsys, tmp_path, TINY, "task.name=jsonl")
+
+
+def test_unknown_task(capsys, tmp_path):
+    assert "unknown task" in fail(capsys, tmp_path, TINY, "task.name=gsm8k")
+
+
+# ----------------------------------------------------------------------------- names
+
+
+def test_unknown_reward(capsys, tmp_path):
+    assert "unknown reward 'nope'" in fail(capsys, tmp_path, TINY, "reward.functions=[nope]")
+
+
+@pytest.mark.parametrize("spec", ["no_such_mod_xyz:f", ":f", "..rel:f", "json:nothing"])
+def test_unimportable_reward(capsys, tmp_path, spec):
+    assert spec in fail(capsys, tmp_path, TINY, f"reward.functions=['{spec}']")
+
+
+def test_unknown_objective(capsys, tmp_path):
+    msg = fail(capsys, tmp_path, TINY, "objective.name=nope")
+    assert "nope" in msg and "gspo" in msg
+
+
+def test_unknown_advantage(capsys, tmp_path):
+    assert "nope" in fail(capsys, tmp_path, TINY, "objective.advantage=nope")
+
+
+def test_resume_without_checkpoint(capsys, tmp_path):
+    empty = tmp_path / "old_run"
+    empty.mkdir()
+    assert "checkpoint" in fail(capsys, tmp_path, TINY, f"resume={empty}")
+
+
+# ----------------------------------------------------------------------------- commands
+
+
+def test_unknown_command(capsys):
+    assert main(["trian", "steps=1"]) == 2
+    _, err = capsys.readouterr()
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gspo: ")
+    assert "unknown command 'trian'" in lines[0] and "train" in lines[0]
+
+
+def test_top_level_help(capsys):
+    assert main(["--help"]) == 0
+    out, err = capsys.readouterr()
+    assert "usage: gspo" in out and "train" in out and "validate" in out
+    assert err == ""
+
+
+@pytest.mark.parametrize("cmd", ["train", "validate"])
+def test_command_help_lists_every_key(capsys, cmd):
+    assert main([cmd, "--help"]) == 0
+    out, _ = capsys.readouterr()
+    for key, _, help_text in describe_fields():
+        assert key in out, key
+        assert help_text in out, key
+
+
+def test_validate_yaml(capsys, tmp_path):
+    p = tmp_path / "preset.yaml"
+    p.write_text(yaml.safe_dump({"model": "tiny:llama", "steps": 2,
+                                 "objective": {"eps_low": "3e-4", "name": "grpo"},
+                                 "task": {"levels": [1, 3]}}))
+    assert main(["validate", str(p), "seed=3"]) == 0
+    out, err = capsys.readouterr()
+    assert "ok" in out and err == ""
+    assert main(["validate"]) == 0  # defaults
+    capsys.readouterr()
+
+
+def test_validate_errors(capsys, tmp_path):
+    p = tmp_path / "preset.yaml"
+    p.write_text("rollout:\n  group_size: 1\n")
+    msg = fail(capsys, tmp_path, str(p), cmd="validate")
+    assert "group_size" in msg
+
+
+def test_eval_missing_model_folder(capsys, tmp_path):
+    code = main(["eval", "--model", str(tmp_path / "nope"), "task.eval_size=2"])
+    _, err = capsys.readouterr()
+    assert code == 2
+    assert err.splitlines() == [f"gspo eval: error: model: folder not found: {tmp_path / 'nope'}"]
