@@ -29,7 +29,7 @@ def test_sampled_logprobs_equal_trainer_recompute():
 
 
 def test_sampling_is_reproducible_with_a_seeded_generator():
-    model, tok, prompts = _setup()
+    model, _, prompts = _setup()
     params = SamplingParams(max_new_tokens=10, temperature=1.0)
     runs = [generate(model, prompts, group_size=3, params=params, eos=[1], pad_id=0,
                      generator=torch.Generator().manual_seed(5)).response_ids for _ in range(2)]
@@ -38,7 +38,7 @@ def test_sampling_is_reproducible_with_a_seeded_generator():
 
 def test_shared_prefill_and_row_dropping_match_one_prompt_at_a_time():
     """Greedy decoding of a batch (finished rows dropped) equals decoding each prompt alone."""
-    model, tok, prompts = _setup(seed=4)
+    model, _, prompts = _setup(seed=4)
     eos = list(range(1, 60))  # many EOS ids so rows finish at different steps
     batched = greedy_generate(model, prompts, max_new_tokens=10, eos=eos, pad_id=0)
     alone = [greedy_generate(model, [p], max_new_tokens=10, eos=eos, pad_id=0)[0]
@@ -52,7 +52,7 @@ def test_shared_prefill_and_row_dropping_match_one_prompt_at_a_time():
 
 
 def test_eos_ends_a_response_and_truncation_is_flagged():
-    model, tok, prompts = _setup()
+    model, _, prompts = _setup()
     roll = generate(model, prompts, group_size=2, params=SamplingParams(3, 1.0), eos=[1],
                     pad_id=0, generator=torch.Generator().manual_seed(0))
     for ids, trunc in zip(roll.response_ids, roll.truncated):
