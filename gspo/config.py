@@ -39,7 +39,8 @@ def _f(default: Any, help: str, **kw: Any) -> Any:
 
 @dataclass
 class TaskConfig:
-    name: str = _f("arithmetic", "built-in task ('arithmetic', 'countdown') or 'jsonl'")
+    name: str = _f("arithmetic", "built-in task ('arithmetic', 'countdown', 'gsm8k_mini'), "
+                   "'jsonl' (a JSONL file) or 'dataset' (any Hugging Face `datasets` source)")
     levels: list[int] = _f(
         [1, 2], "arithmetic difficulty levels mixed in training (1: a+b one-digit, 2: two-digit "
         "plus one-digit, 3: two-digit plus two-digit, 4: three-digit plus two-digit)")
@@ -47,10 +48,15 @@ class TaskConfig:
     eval_levels: list[int] = _f([], "levels of the held-out set (empty: same as levels)")
     operations: list[str] = _f(["+"], "arithmetic operations to draw from: '+', '-', '*'")
     eval_size: int = _f(100, "number of held-out problems evaluated before and after training")
-    path: str = _f("", "JSONL file with one prompt per line (task.name=jsonl)")
+    path: str = _f("", "task.name=jsonl: JSONL file; task.name=dataset: local JSON/JSONL/CSV/"
+                   "Parquet file or folder, or a Hub dataset name (needs network)")
+    subset: str = _f("", "task.name=dataset: Hub configuration name (e.g. 'main' for gsm8k)")
+    split: str = _f("train", "task.name=dataset: split to train on")
+    eval_split: str = _f("", "task.name=dataset: held-out split (empty: hold out eval_size rows)")
+    countdown_numbers: int = _f(3, "task.name=countdown: how many numbers each problem gives")
     eval_path: str = _f("", "held-out JSONL file (empty: hold out eval_size rows of path)")
-    prompt_field: str = _f("prompt", "JSONL column holding the prompt")
-    answer_field: str = _f("answer", "JSONL column holding the reference answer")
+    prompt_field: str = _f("prompt", "dataset column holding the prompt")
+    answer_field: str = _f("answer", "dataset column holding the reference answer")
     system_prompt: str = _f("", "system message for the chat template (empty: tokenizer default)")
     chat_template: bool = _f(True, "apply the tokenizer's chat template (false: raw prompts)")
 
@@ -62,6 +68,9 @@ class RewardConfig:
     weights: list[float] = _f([], "weight per reward function (empty: all 1.0)")
     max_unscorable_frac: float = _f(
         0.5, "stop the run if more than this fraction of a step's responses cannot be scored")
+    overlong_buffer: int = _f(
+        0, "DAPO soft overlong punishment: add a reward term falling linearly from 0 to -1 over "
+        "the last overlong_buffer tokens before rollout.max_new_tokens (0 = off)")
 
 
 @dataclass
@@ -112,6 +121,23 @@ class MoEConfig:
 
 
 @dataclass
+class LoRAConfig:
+    r: int = _f(0, "LoRA rank (0 = off: full fine-tuning)")
+    alpha: float = _f(16.0, "LoRA scaling numerator: updates are scaled by alpha / r")
+    dropout: float = _f(0.0, "dropout on the LoRA input")
+    target_modules: list[str] = _f(
+        ["all-linear"], "module names to adapt, e.g. [q_proj, v_proj]; 'all-linear': every "
+        "linear layer except the output layer")
+
+
+@dataclass
+class LoggingConfig:
+    wandb_project: str = _f("", "also log to Weights & Biases under this project (if installed)")
+    trackio_project: str = _f("", "also log to trackio under this project (if installed)")
+    samples_every: int = _f(10, "write sample completions to samples.jsonl every k steps (0: off)")
+
+
+@dataclass
 class TrainConfig:
     model: str = _f(
         "smollm2-135m-instruct",
@@ -130,13 +156,15 @@ class TrainConfig:
     eval_every: int = _f(0, "evaluate every k steps (0: only before/after)")
     num_threads: int = _f(0, "torch CPU threads (0: torch's default)")
     progress: bool = _f(True, "show a progress bar")
-    tensorboard: bool = _f(False, "also write TensorBoard event files")
+    tensorboard: bool = _f(True, "also write TensorBoard event files (skipped if not installed)")
     task: TaskConfig = field(default_factory=TaskConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
 # ----------------------------------------------------------------------------- parsing
@@ -150,6 +178,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     """Check ``value`` against annotation ``tp``; ints are accepted where floats are expected."""
     origin = typing.get_origin(tp)
     if origin is Literal:
+        if isinstance(value, bool) and ("off" if not value else "on") in typing.get_args(tp):
+            value = "off" if not value else "on"  # YAML 1.1 reads a bare off/on as a boolean
         if value not in typing.get_args(tp):
             choices = ", ".join(repr(a) for a in typing.get_args(tp))
             raise ConfigError(f"{key}: {value!r} is not one of {choices}")
@@ -284,7 +314,19 @@ def validate(cfg: TrainConfig) -> None:
            "task.level_weights must be non-negative and not all zero")
     _check(all(op in ("+", "-", "*") for op in t.operations) and bool(t.operations),
            "task.operations must be a non-empty list of '+', '-', '*'")
-    _check(t.name != "jsonl" or bool(t.path), "task.path is required when task.name=jsonl")
+    _check(t.name not in ("jsonl", "dataset") or bool(t.path),
+           f"task.path is required when task.name={t.name}")
+    _check(2 <= t.countdown_numbers <= 6, "task.countdown_numbers must be in 2..6")
+    _check(t.name != "countdown" or "numeric_match" not in cfg.reward.functions,
+           "task.name=countdown: numeric_match would reward echoing the target; "
+           "use reward.functions=[countdown]")
+    lo = cfg.lora
+    _check(lo.r >= 0, "lora.r must be >= 0")
+    _check(lo.alpha > 0 and 0 <= lo.dropout < 1, "lora.alpha must be > 0, lora.dropout in [0, 1)")
+    _check(bool(lo.target_modules), "lora.target_modules must not be empty")
+    _check(cfg.logging.samples_every >= 0, "logging.samples_every must be >= 0")
+    _check(0 <= cfg.reward.overlong_buffer <= r.max_new_tokens,
+           "reward.overlong_buffer must be in [0, rollout.max_new_tokens]")
     _check(not cfg.reward.weights or len(cfg.reward.weights) == len(cfg.reward.functions),
            "reward.weights must have one weight per reward function")
     _check(bool(cfg.reward.functions), "reward.functions must not be empty")

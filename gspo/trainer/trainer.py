@@ -6,6 +6,7 @@ the run folder is created, so a bad config, model or dataset leaves nothing behi
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -17,16 +18,20 @@ from typing import Any
 import torch
 import yaml
 
-from gspo.config import TrainConfig, to_dict
+from gspo.config import ConfigError, TrainConfig, to_dict
 from gspo.data import build_task, format_prompt
+from gspo.data.hf import task_from_records
 from gspo.models import load_model, token_logprobs
+from gspo.models.lora import apply_lora, is_peft
 from gspo.objectives import ADVANTAGES, OBJECTIVES, group_stats
 from gspo.rewards import RewardError, RewardScorer
+from gspo.rewards.shaping import add_overlong
 from gspo.rollout import SamplingParams, generate, pad_batch
 from gspo.rollout.sampler import eos_ids
 from gspo.trainer.checkpoint import latest_checkpoint, load_checkpoint_state, save_checkpoint
 from gspo.trainer.evaluate import evaluate
 from gspo.trainer.metrics import MetricsLogger, mean_stats
+from gspo.trainer.tracking import with_trackers
 from gspo.trainer.update import UpdateBatch, policy_update
 
 
@@ -47,13 +52,27 @@ def _lr_lambda(cfg: TrainConfig, total: int):
 
 
 class Trainer:
-    """``Trainer(cfg).setup(); trainer.train()``; the CLI does exactly this."""
+    """``Trainer(cfg).setup(); trainer.train()``; the CLI does exactly this.
 
-    def __init__(self, cfg: TrainConfig, *, reward_fns: list[Any] | None = None,
-                 model: Any = None, tokenizer: Any = None) -> None:
+    From Python, each argument replaces its part of ``cfg``: ``model`` (a loaded model with its
+    ``tokenizer``, or a config ``model`` name/folder), ``reward_fns`` (callables or registered
+    names) and ``train_dataset`` / ``eval_dataset`` (a ``datasets.Dataset`` or a list of dicts
+    with the ``task.prompt_field`` / ``task.answer_field`` columns; without ``eval_dataset``,
+    ``task.eval_size`` rows are held out).
+    """
+
+    def __init__(self, cfg: TrainConfig | None = None, *, reward_fns: list[Any] | None = None,
+                 model: Any = None, tokenizer: Any = None, train_dataset: Any = None,
+                 eval_dataset: Any = None) -> None:
+        cfg = cfg if cfg is not None else TrainConfig()
+        if isinstance(model, (str, Path)):
+            cfg, model = dataclasses.replace(cfg, model=str(model)), None
+        if eval_dataset is not None and train_dataset is None:
+            raise ValueError("eval_dataset needs a train_dataset")
         self.cfg = cfg
         self.reward_specs = reward_fns or cfg.reward.functions
         self.model, self.tokenizer = model, tokenizer
+        self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.step = 0
         self.history: list[dict[str, float]] = []
 
@@ -66,16 +85,28 @@ class Trainer:
         # Resolve everything that can fail on user input before touching the disk.
         resume_ckpt = self._resume_checkpoint()
         self.scorer = RewardScorer.from_specs(self.reward_specs, cfg.reward.weights)
-        self.task = build_task(cfg.task, cfg.seed)
+        if self.train_dataset is not None:
+            self.task = task_from_records(self.train_dataset, self.eval_dataset, cfg.task,
+                                          cfg.seed)
+        else:
+            self.task = build_task(cfg.task, cfg.seed)
         OBJECTIVES.get(cfg.objective.name)
         ADVANTAGES.get(cfg.objective.advantage)
         dtype = getattr(torch, cfg.dtype)
         if self.model is None:
-            source = str(resume_ckpt) if resume_ckpt else cfg.model
+            # A LoRA checkpoint holds only the adapter: load the base, then the adapter below.
+            source = str(resume_ckpt) if resume_ckpt and not cfg.lora.r else cfg.model
             self.model, self.tokenizer = load_model(source, dtype=dtype, seed=cfg.seed)
+        if cfg.lora.r:
+            self.model = apply_lora(self.model, cfg.lora, adapter_dir=resume_ckpt)
+        if cfg.reward.overlong_buffer:  # needs the tokenizer, hence after the model
+            self.scorer = add_overlong(self.scorer, max_tokens=cfg.rollout.max_new_tokens,
+                                       buffer_tokens=cfg.reward.overlong_buffer,
+                                       tokenizer=self.tokenizer)
         if cfg.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
         self.eos, self.pad_id = eos_ids(self.model, self.tokenizer), self.tokenizer.pad_token_id
+        self.moe = self._check_moe()
         self.ref_model = self._reference_model() if cfg.objective.beta > 0 else None
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad], lr=cfg.optim.lr,
@@ -88,8 +119,10 @@ class Trainer:
         self.run_dir = self._make_run_dir()
         if resume_ckpt is not None:
             self._restore(resume_ckpt)
-        self.logger = MetricsLogger(self.run_dir, cfg.tensorboard,
-                                    resume_step=self.step if resume_ckpt else -1)
+        self.logger = with_trackers(
+            MetricsLogger(self.run_dir, cfg.tensorboard,
+                          resume_step=self.step if resume_ckpt else -1),
+            cfg.logging, self.run_dir, to_dict(cfg))
         return self
 
     def _resume_checkpoint(self) -> Path | None:
@@ -100,9 +133,29 @@ class Trainer:
             raise FileNotFoundError(f"resume: no complete checkpoint in {self.cfg.resume}")
         return ckpt
 
+    def _check_moe(self) -> bool:
+        """True for a supported MoE policy; MoE options on a dense model are an error."""
+        from gspo.models.moe import is_moe, moe_adapter
+
+        moe_cfg = self.cfg.moe
+        if not is_moe(self.model):
+            if moe_cfg.routing_replay != "off" or moe_cfg.aux_loss_coef > 0:
+                raise ConfigError("moe.routing_replay / moe.aux_loss_coef need a Mixture-of-"
+                                  f"Experts model; {self.cfg.model} is dense")
+            return False
+        moe_adapter(self.model)  # raises for an MoE family without router hooks
+        if moe_cfg.routing_replay == "r3":
+            raise ConfigError("moe.routing_replay=r3 needs rollout-recorded routing, which the "
+                              "hf engine does not record yet; use r2")
+        return True
+
     def _reference_model(self) -> Any:
+        """A frozen copy of the initial policy; None for a LoRA policy, whose reference is the
+        same model with its adapter disabled (see gspo.models.lora.reference_logprobs)."""
         import copy
 
+        if is_peft(self.model):
+            return None
         ref = copy.deepcopy(self.model).eval()
         for p in ref.parameters():
             p.requires_grad_(False)
@@ -175,12 +228,22 @@ class Trainer:
         return rewards, extra
 
     @torch.no_grad()
-    def old_logprobs(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """log π_old recomputed by the trainer in fp32, and the policy's entropy."""
+    def old_logprobs(self, batch: dict[str, torch.Tensor]
+                     ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor] | None]:
+        """log π_old recomputed by the trainer in fp32, the policy's entropy, and (MoE) the
+        expert indices π_old chose for every position (what R2 replays)."""
         self.model.eval()
-        return token_logprobs(self.model, batch["input_ids"], batch["attention_mask"],
-                              batch["response_mask"], temperature=self.cfg.rollout.temperature,
-                              chunk=self.cfg.logprob_chunk, with_entropy=True)
+        with contextlib.ExitStack() as stack:
+            rec = None
+            if self.moe:
+                from gspo.models.moe import capture_routing
+
+                rec = stack.enter_context(capture_routing(self.model))
+            lp, ent = token_logprobs(self.model, batch["input_ids"], batch["attention_mask"],
+                                     batch["response_mask"],
+                                     temperature=self.cfg.rollout.temperature,
+                                     chunk=self.cfg.logprob_chunk, with_entropy=True)
+        return lp, ent, (rec.take() if rec is not None else None)
 
     def train_step(self) -> dict[str, float]:
         cfg, t = self.cfg, {}
@@ -194,7 +257,7 @@ class Trainer:
         t["reward"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         batch = pad_batch(roll.prompt_ids, roll.response_ids, self.pad_id, roll.logprobs)
-        recomputed, entropy = self.old_logprobs(batch)
+        recomputed, entropy, routing = self.old_logprobs(batch)
         mask = batch["response_mask"]
         n_tok = mask.sum(1).clamp(min=1)
         rollout_gap = ((recomputed - batch["old_logprobs"]) * mask).sum(1) / n_tok
@@ -206,12 +269,13 @@ class Trainer:
                                     chunk=cfg.logprob_chunk)
         t["old_logprobs"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        update = UpdateBatch(batch["input_ids"], batch["attention_mask"], mask, old, adv, ref)
+        update = UpdateBatch(batch["input_ids"], batch["attention_mask"], mask, old, adv, ref,
+                             routing, replay=cfg.moe.routing_replay != "off")
         gen = torch.Generator().manual_seed(cfg.seed * 7_919 + self.step)
         stats, skipped = policy_update(
             self.model, self.optimizer, self.scheduler, update, objective=cfg.objective,
             temperature=cfg.rollout.temperature, chunk=cfg.logprob_chunk,
-            grad_clip=cfg.optim.grad_clip, generator=gen)
+            grad_clip=cfg.optim.grad_clip, generator=gen, moe=cfg.moe if self.moe else None)
         t["update"] = time.perf_counter() - t0
         n_resp = sum(len(r) for r in roll.response_ids)
         n_tokens = int(batch["attention_mask"].sum())

@@ -24,6 +24,7 @@ class UpdateBatch:
     advantages: torch.Tensor  # [N]
     ref_logprobs: torch.Tensor | None = None  # [N, T] when beta > 0
     routing: list[torch.Tensor] | None = None  # π_old expert choices per MoE layer [N*T, k]
+    replay: bool = False  # replay ``routing`` in the update (Routing Replay) or only compare
 
     def rows(self, idx: torch.Tensor) -> UpdateBatch:
         """Rows ``idx``, cut to their longest sequence (no compute spent on shared padding)."""
@@ -38,23 +39,27 @@ class UpdateBatch:
                        for r in select_sequences(self.routing, seq_len, idx)]
         return UpdateBatch(cut(self.input_ids), cut(self.attention_mask),
                            cut(self.response_mask), cut(self.old_logprobs),
-                           self.advantages[idx], cut(self.ref_logprobs), routing)
+                           self.advantages[idx], cut(self.ref_logprobs), routing, self.replay)
 
 
-def _replay(model: Any, routing: list[torch.Tensor] | None) -> contextlib.AbstractContextManager:
-    if routing is None:
-        return contextlib.nullcontext()
-    from gspo.models.moe import replay_routing
+def _forward_ctx(model: Any, mb: UpdateBatch, moe: Any) -> contextlib.AbstractContextManager:
+    if moe is None:
+        return contextlib.nullcontext({})
+    from gspo.trainer.moe_hooks import moe_forward
 
-    return replay_routing(model, routing)
+    return moe_forward(model, mb.routing if mb.replay else None,
+                       want_logits=mb.routing is not None and moe.log_routing_change,
+                       aux=moe.aux_loss_coef > 0)
 
 
 def policy_update(model: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
                   batch: UpdateBatch, *, objective: Any, temperature: float, chunk: int,
                   grad_clip: float, generator: torch.Generator,
-                  aux_loss: Any = None) -> tuple[list[dict[str, torch.Tensor]], int]:
+                  moe: Any = None) -> tuple[list[dict[str, torch.Tensor]], int]:
     """Run ``objective.epochs`` passes of ``objective.num_minibatches`` AdamW steps.
 
+    ``moe`` (a :class:`gspo.config.MoEConfig`, only for MoE policies) switches on routing
+    replay, the routing-change metric and the load-balancing loss.
     Returns the per-minibatch stats and the number of updates skipped for non-finite values.
     """
     loss_fn = OBJECTIVES[objective.name]
@@ -67,7 +72,7 @@ def policy_update(model: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
         order = torch.randperm(n, generator=generator)
         for mb_idx in order.tensor_split(objective.num_minibatches):
             mb = batch.rows(mb_idx.sort().values)
-            with _replay(model, mb.routing):
+            with _forward_ctx(model, mb, moe) as moe_out:
                 logprobs, _ = token_logprobs(model, mb.input_ids, mb.attention_mask,
                                              mb.response_mask, temperature=temperature,
                                              chunk=chunk)
@@ -75,8 +80,12 @@ def policy_update(model: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
                                       eps_low=objective.eps_low, eps_high=objective.eps_high,
                                       beta=objective.beta, ref_logprobs=mb.ref_logprobs,
                                       **options)
-                if aux_loss is not None:
-                    loss = loss + aux_loss(model, mb)
+                if moe_out.get("live_logits"):
+                    from gspo.trainer.moe_hooks import aux_loss
+
+                    lb = aux_loss(model, moe_out["live_logits"], mb.attention_mask)
+                    stats = {**stats, "moe/load_balancing_loss": lb.detach()}
+                    loss = loss + moe.aux_loss_coef * lb
                 optimizer.zero_grad(set_to_none=True)
                 if not torch.isfinite(loss):
                     skipped += 1
@@ -91,6 +100,11 @@ def policy_update(model: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
             optimizer.step()
             scheduler.step()
             stats = dict(stats)
+            if moe_out.get("natural") is not None:
+                from gspo.trainer.moe_hooks import routing_change_stats
+
+                stats.update(routing_change_stats(mb.routing, moe_out["natural"],
+                                                  mb.response_mask))
             stats["train/grad_norm"] = gnorm.detach()
             stats["train/loss"] = loss.detach()
             all_stats.append(stats)
