@@ -57,7 +57,8 @@ class TaskConfig:
     eval_path: str = _f("", "held-out JSONL file (empty: hold out eval_size rows of path)")
     prompt_field: str = _f("prompt", "dataset column holding the prompt")
     answer_field: str = _f("answer", "dataset column holding the reference answer")
-    system_prompt: str = _f("", "system message for the chat template (empty: tokenizer default)")
+    system_prompt: str = _f("You are a helpful assistant.",
+                            "system message for the chat template (empty: the tokenizer's own)")
     chat_template: bool = _f(True, "apply the tokenizer's chat template (false: raw prompts)")
 
 
@@ -71,18 +72,21 @@ class RewardConfig:
     overlong_buffer: int = _f(
         0, "DAPO soft overlong punishment: add a reward term falling linearly from 0 to -1 over "
         "the last overlong_buffer tokens before rollout.max_new_tokens (0 = off)")
+    timeout_s: float = _f(
+        60.0, "seconds a reward function may take on one batch; past it the batch is unscorable "
+        "for that function and its hung thread is left running as a daemon (0 = no limit)")
 
 
 @dataclass
 class RolloutConfig:
     group_size: int = _f(8, "G: responses sampled per prompt")
-    prompts_per_step: int = _f(8, "B: prompts per rollout batch")
-    max_new_tokens: int = _f(32, "response length cap; longer responses are truncated")
+    prompts_per_step: int = _f(4, "B: prompts per rollout batch")
+    max_new_tokens: int = _f(24, "response length cap; longer responses are truncated")
     temperature: float = _f(0.7, "sampling temperature (log-probs use the same temperature)")
     top_p: float = _f(1.0, "nucleus sampling; < 1 makes rollout log-probs differ from π")
     top_k: int = _f(0, "top-k sampling (0 = off, keeps log-probs equal to the policy's)")
     engine: str = _f("hf", "rollout engine: 'hf' (own KV-cached sampler) or 'vllm'")
-    eval_max_new_tokens: int = _f(32, "response cap for greedy evaluation")
+    eval_max_new_tokens: int = _f(24, "response cap for greedy evaluation")
 
 
 @dataclass
@@ -104,7 +108,7 @@ class ObjectiveConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = _f(2e-6, "AdamW peak learning rate")
+    lr: float = _f(1e-5, "AdamW peak learning rate")
     weight_decay: float = _f(0.0, "AdamW weight decay")
     betas: list[float] = _f([0.9, 0.999], "AdamW betas")
     grad_clip: float = _f(1.0, "max global grad norm (0 = off)")
@@ -138,11 +142,61 @@ class LoggingConfig:
 
 
 @dataclass
+class ReliabilityConfig:
+    max_consecutive_faults: int = _f(
+        3, "act (guard.on_fault) after this many consecutive steps with an update skipped for a "
+        "non-finite loss, gradient or log-prob (0: never act, only skip and count)")
+    on_fault: Literal["rollback", "lower_lr", "stop"] = _f(
+        "rollback", "on a fault streak or a collapse signal: reload the last good checkpoint's "
+        "weights and optimizer and go on (rollback), the same with lr x lr_factor (lower_lr), "
+        "or checkpoint and stop (stop); rollback needs save_every > 0")
+    lr_factor: float = _f(0.5, "on_fault=lower_lr: multiply the learning rate by this per fault")
+    max_rollbacks: int = _f(3, "stop instead of rolling back once this many rollbacks happened")
+    collapse_window: int = _f(5, "steps averaged by the collapse_reward_drop signal")
+    collapse_reward_drop: float = _f(
+        0.0, "collapse signal: reward mean over the last collapse_window steps more than this "
+        "below its best such mean (0: off)")
+    collapse_entropy_floor: float = _f(
+        0.0, "collapse signal: policy entropy per token (train/entropy) below this (0: off)")
+    collapse_ratio_ceiling: float = _f(
+        0.0, "collapse signal: largest sequence ratio (objective/seq_ratio_max) above this "
+        "(0: off)")
+
+
+@dataclass
+class SFTConfig:
+    """Cold-start supervised stage (``gspo sft``; ``model: sft:<tiny name>`` in a run config)."""
+
+    base: str = _f("tiny:tiny_moe", "model to fine-tune: 'tiny:<name>' (random init) or a folder")
+    levels: list[int] = _f([2, 3], "arithmetic levels trained on and evaluated (see task.levels)")
+    operations: list[str] = _f(["+"], "arithmetic operations: '+', '-', '*'")
+    steps: int = _f(400, "AdamW steps of teacher forcing on 'a+b=c' answers")
+    batch_size: int = _f(32, "problems per step")
+    lr: float = _f(3e-3, "peak learning rate (linear warm-up, then cosine decay to lr/10)")
+    warmup_steps: int = _f(20, "linear warm-up steps")
+    weight_decay: float = _f(0.0, "AdamW weight decay")
+    grad_clip: float = _f(1.0, "max global grad norm (0 = off)")
+    seed: int = _f(0, "seed of the initialisation and of the problem draws")
+    chat_template: bool = _f(True, "format prompts with the chat template (match task.chat_template)")
+    system_prompt: str = _f("", "system message of the chat template (match task.system_prompt)")
+    eval_size: int = _f(100, "held-out problems evaluated (greedy) before and after")
+    num_threads: int = _f(1, "torch CPU threads (0: torch's default)")
+
+
+@dataclass
+class DistributedConfig:
+    strategy: Literal["ddp", "fsdp2"] = _f(
+        "ddp", "multi-process training under torchrun: 'ddp' replicates the policy on every "
+        "rank, 'fsdp2' shards parameters, gradients and optimizer state across ranks")
+
+
+@dataclass
 class TrainConfig:
     model: str = _f(
         "smollm2-135m-instruct",
-        "local Hugging Face causal-LM folder, 'smollm2-135m-instruct', or 'tiny:<name>'")
-    steps: int = _f(40, "RL steps (one rollout batch each)")
+        "local Hugging Face causal-LM folder, 'smollm2-135m-instruct', 'tiny:<name>', or "
+        "'sft:<tiny name>' (its cached arithmetic cold start, see gspo sft)")
+    steps: int = _f(12, "RL steps (one rollout batch each)")
     seed: int = _f(0, "seed for data, sampling and initialisation")
     output_dir: str = _f("runs", "parent folder of run folders")
     run_name: str = _f("", "run folder name (empty: a timestamp)")
@@ -165,6 +219,8 @@ class TrainConfig:
     moe: MoEConfig = field(default_factory=MoEConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    dist: DistributedConfig = field(default_factory=DistributedConfig)
+    guard: ReliabilityConfig = field(default_factory=ReliabilityConfig)
 
 
 # ----------------------------------------------------------------------------- parsing
@@ -331,6 +387,42 @@ def validate(cfg: TrainConfig) -> None:
            "reward.weights must have one weight per reward function")
     _check(bool(cfg.reward.functions), "reward.functions must not be empty")
     _check(0 <= cfg.reward.max_unscorable_frac <= 1, "reward.max_unscorable_frac must be in [0, 1]")
+    _check(0 <= cfg.reward.timeout_s < float("inf"), "reward.timeout_s must be a number >= 0")
+    _validate_guard(cfg.guard)
+
+
+def _validate_guard(g: ReliabilityConfig) -> None:
+    _check(g.max_consecutive_faults >= 0, "guard.max_consecutive_faults must be >= 0")
+    _check(0 < g.lr_factor < 1, "guard.lr_factor must be in (0, 1)")
+    _check(g.max_rollbacks >= 0, "guard.max_rollbacks must be >= 0")
+    _check(g.collapse_window >= 1, "guard.collapse_window must be >= 1")
+    for name in ("collapse_reward_drop", "collapse_entropy_floor", "collapse_ratio_ceiling"):
+        _check(0 <= getattr(g, name) < float("inf"), f"guard.{name} must be a number >= 0")
+
+
+def load_sft_config(path: str | Path | None = None,
+                    overrides: list[str] | None = None) -> SFTConfig:
+    """Build an :class:`SFTConfig` from defaults, an optional YAML file and overrides."""
+    cfg = SFTConfig()
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            data = yaml.safe_load(p.read_text())
+        except Exception as e:  # OSError, or PyYAML's assorted errors on bad input
+            raise ConfigError(f"{p}: not valid YAML ({_first_line(e)})") from None
+        _merge(cfg, data or {})
+    for item in overrides or []:
+        _merge(cfg, parse_override(item))
+    _check(cfg.steps >= 0 and cfg.batch_size >= 1 and cfg.lr >= 0,
+           "sft: steps must be >= 0, batch_size >= 1, lr >= 0")
+    _check(bool(cfg.levels) and all(1 <= lv <= 4 for lv in cfg.levels),
+           "sft.levels must be a non-empty list of levels in 1..4")
+    _check(bool(cfg.operations) and all(op in ("+", "-", "*") for op in cfg.operations),
+           "sft.operations must be a non-empty list of '+', '-', '*'")
+    _check(cfg.eval_size >= 0 and cfg.warmup_steps >= 0, "sft.eval_size/warmup_steps must be >= 0")
+    return cfg
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:
