@@ -86,6 +86,9 @@ class RolloutConfig:
     top_p: float = _f(1.0, "nucleus sampling; < 1 makes rollout log-probs differ from π")
     top_k: int = _f(0, "top-k sampling (0 = off, keeps log-probs equal to the policy's)")
     engine: str = _f("hf", "rollout engine: 'hf' (own KV-cached sampler) or 'vllm'")
+    vllm_memory_fraction: float = _f(
+        0.3, "engine=vllm: share of the device's memory (CPU backend: of RAM) vLLM reserves "
+        "for weights and KV cache; training shares the device")
     eval_max_new_tokens: int = _f(24, "response cap for greedy evaluation")
 
 
@@ -177,8 +180,8 @@ class SFTConfig:
     weight_decay: float = _f(0.0, "AdamW weight decay")
     grad_clip: float = _f(1.0, "max global grad norm (0 = off)")
     seed: int = _f(0, "seed of the initialisation and of the problem draws")
-    chat_template: bool = _f(True, "format prompts with the chat template (match task.chat_template)")
-    system_prompt: str = _f("", "system message of the chat template (match task.system_prompt)")
+    chat_template: bool = _f(True, "use the chat template (match the run's task.chat_template)")
+    system_prompt: str = _f("", "chat template's system message (match task.system_prompt)")
     eval_size: int = _f(100, "held-out problems evaluated (greedy) before and after")
     num_threads: int = _f(1, "torch CPU threads (0: torch's default)")
 
@@ -348,6 +351,7 @@ def validate(cfg: TrainConfig) -> None:
     _check(0 < r.top_p <= 1, "rollout.top_p must be in (0, 1]")
     _check(r.top_k >= 0, "rollout.top_k must be >= 0")
     _check(r.engine in ("hf", "vllm"), f"rollout.engine: unknown engine '{r.engine}'")
+    _check(0 < r.vllm_memory_fraction <= 1, "rollout.vllm_memory_fraction must be in (0, 1]")
     _check(o.eps_low >= 0 and o.eps_high >= 0, "objective.eps_low/eps_high must be >= 0")
     _check(o.eps_low < 1, "objective.eps_low must be < 1")
     _check(o.beta >= 0, "objective.beta must be >= 0")
@@ -421,7 +425,8 @@ def load_sft_config(path: str | Path | None = None,
            "sft.levels must be a non-empty list of levels in 1..4")
     _check(bool(cfg.operations) and all(op in ("+", "-", "*") for op in cfg.operations),
            "sft.operations must be a non-empty list of '+', '-', '*'")
-    _check(cfg.eval_size >= 0 and cfg.warmup_steps >= 0, "sft.eval_size/warmup_steps must be >= 0")
+    _check(cfg.eval_size >= 0 and cfg.warmup_steps >= 0,
+           "sft.eval_size/warmup_steps must be >= 0")
     return cfg
 
 

@@ -10,6 +10,7 @@ from typing import Any
 from gspo.config import ConfigError, TrainConfig, describe_fields, load_config
 
 EXIT_USAGE = 2
+EXIT_GUARD_STOP = 3  # the run's guard stopped it (see guard.on_fault); a checkpoint was written
 USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, FileNotFoundError, FileExistsError)
 
 
@@ -44,19 +45,32 @@ def cmd_train(args: list[str]) -> int:
     path, overrides = _split_args(args)
     cfg = load_config(path, overrides)
     from gspo.trainer import Trainer
+    from gspo.trainer.distributed import shutdown
 
     start = time.time()
-    trainer = Trainer(cfg).setup()
-    print(f"run folder: {trainer.run_dir}", flush=True)
-    result = trainer.train()
+    trainer = Trainer(cfg)
+    finished = False
+    try:  # under torchrun every rank runs this; only rank 0 prints the summary
+        trainer.setup()
+        main = trainer.dist.is_main
+        if main:
+            print(f"run folder: {trainer.run_dir}", flush=True)
+        result = trainer.train()
+        finished = True
+    finally:  # after an error, skip the barrier: the other ranks may be stuck in a collective
+        shutdown(trainer, barrier=finished)
+    if result.get("interrupted") or not main:  # interrupted: the trainer printed how to resume
+        return 0
     wall = time.time() - start
     before, after = result["before"], result["after"]
     if after:
         b = f"{before['accuracy']:.1%} -> " if before else ""
         print(f"held-out accuracy: {b}{after['accuracy']:.1%} "
               f"({int(after['n'])} problems, greedy); wall time {wall / 60:.1f} min")
+    kind = ("LoRA adapter (merge: gspo export RUN_DIR --merged OUT)" if cfg.lora.r
+            else "from_pretrained-loadable")
     print(f"weights: {trainer.run_dir}/checkpoints/step_{trainer.step:06d} "
-          f"(from_pretrained-loadable); metrics: {trainer.run_dir}/metrics.jsonl")
+          f"({kind}); metrics: {trainer.run_dir}/metrics.jsonl")
     return 0
 
 
@@ -87,18 +101,66 @@ def cmd_eval(argv: list[str]) -> int:
 
 def cmd_validate(args: list[str]) -> int:
     path, overrides = _split_args(args)
-    load_config(path, overrides)
+    from gspo.compare import is_compare_file, load_spec
+
+    if path is not None and is_compare_file(path) and not overrides:
+        load_spec(path)  # a gspo compare file: checks every arm's run config
+    else:
+        load_config(path, overrides)
     print(f"{path or 'defaults'}: ok")
     return 0
 
 
-COMMANDS: dict[str, Any] = {"train": cmd_train, "eval": cmd_eval, "validate": cmd_validate}
+def cmd_plot(argv: list[str]) -> int:
+    from gspo.cli.plot import cmd_plot as run
+
+    return run(argv)
+
+
+def cmd_export(argv: list[str]) -> int:
+    from gspo.cli.export import cmd_export as run
+
+    return run(argv)
+
+
+def cmd_compare(argv: list[str]) -> int:
+    from gspo.compare import cmd_compare as run
+
+    return run(argv)
+
+
+def cmd_sft(argv: list[str]) -> int:
+    from gspo.config import SFTConfig, load_sft_config
+
+    if any(a in ("-h", "--help") for a in argv):
+        rows = describe_fields(SFTConfig)
+        print("usage: gspo sft [SFT.yaml] [key=value ...] [--force]\n\nsft keys:\n" + "\n".join(
+            f"  {k:<14}  {h} [default: {d}]" for k, d, h in rows))
+        return 0
+    path, overrides = _split_args([a for a in argv if a != "--force"])
+    cfg = load_sft_config(path, overrides)
+    from gspo.sft import cold_start, read_info
+
+    folder = cold_start(cfg, force="--force" in argv)
+    info = read_info(folder)
+    print(f"cold start: {folder} (held-out accuracy {info['accuracy_before']:.1%} -> "
+          f"{info['accuracy_after']:.1%}); train from it with model={folder}")
+    return 0
+
+
+COMMANDS: dict[str, Any] = {"train": cmd_train, "eval": cmd_eval, "validate": cmd_validate,
+                            "plot": cmd_plot, "export": cmd_export, "compare": cmd_compare,
+                            "sft": cmd_sft}
 USAGE = """usage: gspo COMMAND [CONFIG.yaml] [key=value ...]
 
 commands:
   train     RL-train a model (no arguments: SmolLM2-135M-Instruct on the arithmetic task)
   eval      greedy held-out accuracy of a model folder: gspo eval --model DIR
   validate  build a config without training: gspo validate CONFIG.yaml [key=value ...]
+  plot      PNG figures comparing runs: gspo plot RUN_DIR [RUN_DIR ...] [--out DIR]
+  export    merge a LoRA run into full weights: gspo export RUN_DIR --merged OUT
+  sft       cold-start a tiny model on arithmetic (cached): gspo sft [key=value ...]
+  compare   run the arms of a comparison file and report: gspo compare [FILE.yaml] [--quick]
 
 `gspo train --help` lists every config key."""
 
@@ -127,6 +189,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"gspo {cmd}: interrupted", file=sys.stderr)
         return 130
+    except RuntimeError as e:
+        from gspo.trainer.guard import GuardStop
+
+        if not isinstance(e, GuardStop):
+            raise
+        print(f"gspo {cmd}: {e}", file=sys.stderr)
+        return EXIT_GUARD_STOP
 
 
 if __name__ == "__main__":

@@ -9,9 +9,12 @@ from __future__ import annotations
 import hashlib
 import random
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gspo.data.datasets import DataError, load_jsonl
+
+if TYPE_CHECKING:
+    from gspo.data.builtin import CountdownTask
 
 # (low, high) operand ranges per difficulty level, both inclusive.
 LEVELS: dict[int, tuple[tuple[int, int], tuple[int, int]]] = {
@@ -139,7 +142,7 @@ class DatasetTask:
         self._order = self._shuffle()
 
 
-def build_task(cfg: Any, seed: int) -> ArithmeticTask | DatasetTask:
+def build_task(cfg: Any, seed: int) -> ArithmeticTask | DatasetTask | CountdownTask:
     """Build the task named by a :class:`gspo.config.TaskConfig`."""
     if cfg.name == "arithmetic":
         return ArithmeticTask(cfg.levels, cfg.level_weights, cfg.operations, cfg.eval_levels,
@@ -155,4 +158,17 @@ def build_task(cfg: Any, seed: int) -> ArithmeticTask | DatasetTask:
             eval_rows = [rows[i] for i in order[:n_eval]]
             rows = [rows[i] for i in order[n_eval:]]
         return DatasetTask(rows, eval_rows, seed)
-    raise DataError(f"task.name: unknown task '{cfg.name}' (choose arithmetic or jsonl)")
+    if cfg.name == "dataset":
+        from gspo.data.hf import dataset_task
+
+        return dataset_task(cfg, seed)
+    if cfg.name == "countdown":
+        from gspo.data.builtin import CountdownTask
+
+        return CountdownTask(cfg.countdown_numbers, cfg.eval_size, seed)
+    if cfg.name == "gsm8k_mini":
+        from gspo.data.builtin import gsm8k_mini_task
+
+        return gsm8k_mini_task(cfg.eval_size, seed)
+    raise DataError(f"task.name: unknown task '{cfg.name}' "
+                    "(choose arithmetic, countdown, gsm8k_mini, jsonl or dataset)")

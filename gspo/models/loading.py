@@ -64,11 +64,16 @@ def materialize_smollm2() -> Path:
 
 
 def resolve_model(name: str) -> Path | str:
-    """Map a config's ``model`` to a local folder (or a ``tiny:`` name)."""
+    """Map a config's ``model`` to a local folder (or a ``tiny:`` name); ``sft:<tiny name>`` is
+    the cached cold start of :func:`gspo.sft.resolve_sft` (trained on first use)."""
     if name == DEFAULT_MODEL:
         return materialize_smollm2()
     if name.startswith("tiny:"):
         return name
+    if name.startswith("sft:"):  # a cached cold start of a tiny model, built on first use
+        from gspo.sft import resolve_sft
+
+        return resolve_sft(name.removeprefix("sft:"))
     path = Path(name).expanduser()
     if not path.is_dir():
         raise ModelError(f"model: folder not found: {name}")

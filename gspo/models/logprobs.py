@@ -18,6 +18,8 @@ _HEAD_EXTRAS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "out
 
 def _split(model: Any) -> tuple[Any, Any] | None:
     """(backbone, head) when logits are exactly ``head(backbone(...))``, else None."""
+    if hasattr(model, "get_base_model"):  # PEFT wrapper: the transformers model inside
+        model = model.get_base_model()
     if any(getattr(model.config, a, None) not in (None, 1, 1.0) for a in _HEAD_EXTRAS):
         return None
     backbone = getattr(model, getattr(model, "base_model_prefix", "model"), None)

@@ -88,3 +88,31 @@ def code_tests(prompts: list[str], completions: list[str], *, tests: list[Any],
     from gspo.rewards.sandbox import code_reward
 
     return code_reward(prompts, completions, tests=tests, **columns)
+
+
+@register_reward("math_verify")
+def math_verify(prompts: list[str], completions: list[str], *, answer: list[Any],
+                **columns: Any) -> list[float | None]:
+    """1.0 when math-verify finds the final answer equal to the reference (``\\boxed{3/4}``
+    matches ``0.75``); see :func:`gspo.rewards.math.math_verify_reward`."""
+    from gspo.rewards.math import math_verify_reward
+
+    return math_verify_reward(prompts, completions, answer=answer, **columns)
+
+
+@register_reward("boxed_format")
+def boxed_format(prompts: list[str], completions: list[str], **columns: Any) -> list[float | None]:
+    """1.0 when the response contains a closed, non-empty ``\\boxed{...}``, else 0.0."""
+    from gspo.rewards.math import boxed_format_reward
+
+    return boxed_format_reward(prompts, completions, **columns)
+
+
+@register_reward("countdown")
+def countdown(prompts: list[str], completions: list[str], *, numbers: list[Any],
+              target: list[Any], **columns: Any) -> list[float | None]:
+    """1.0 when the response's expression reaches ``target`` using each of ``numbers`` at most
+    once (task.name=countdown); see :func:`gspo.rewards.math.countdown_reward`."""
+    from gspo.rewards.math import countdown_reward
+
+    return countdown_reward(prompts, completions, numbers=numbers, target=target, **columns)

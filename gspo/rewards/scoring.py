@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import threading
 import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -11,9 +12,20 @@ from typing import Any
 
 from gspo.rewards.functions import RewardFn, resolve_reward
 
+# Largest finite float32: the trainer holds rewards in float32, where a larger value is inf.
+FLOAT32_MAX = 3.4028234663852886e38
+
 
 class RewardError(RuntimeError):
     """Too many responses could not be scored."""
+
+
+class _Failed(Exception):
+    """A reward call that failed in its worker thread or ran past the timeout."""
+
+    def __init__(self, report: str) -> None:
+        super().__init__(report)
+        self.report = report
 
 
 @dataclass
@@ -21,8 +33,16 @@ class RewardScorer:
     """Weighted sum of reward functions; NaN marks a response no function could score.
 
     A response is unscorable when any weighted function returns None for it, raises, returns
-    the wrong length, or a non-finite / non-numeric value. The first traceback of each function
-    is kept in ``first_errors`` for the log.
+    the wrong length, a non-numeric value or one that is not finite in float32, or (with
+    ``timeout_s`` > 0) runs longer than ``timeout_s`` seconds on the batch. The first traceback
+    of each function is kept in ``first_errors`` and ``failures`` counts unscorable responses
+    per function.
+
+    Timeout: each call then runs in a daemon thread that the caller waits on for ``timeout_s``.
+    Python cannot kill a thread, so a function that hangs is *left running*; until it returns,
+    later batches are not given to it (they are unscorable at once), so at most one hung thread
+    per function exists. A function stuck in C code that holds the GIL blocks the caller anyway:
+    the timeout covers Python code, sleeps and I/O, not that case.
     """
 
     functions: list[RewardFn]
@@ -30,6 +50,8 @@ class RewardScorer:
     weights: list[float]
     first_errors: dict[str, str] = field(default_factory=dict)
     failures: dict[str, int] = field(default_factory=dict)
+    timeout_s: float = 0.0  # 0: call in the caller's thread, no limit
+    _running: dict[str, threading.Thread] = field(default_factory=dict, repr=False)
 
     @classmethod
     def from_specs(cls, specs: Sequence[Any], weights: Sequence[float] = ()) -> RewardScorer:
@@ -41,9 +63,13 @@ class RewardScorer:
               columns: dict[str, list]) -> list[float]:
         n = len(completions)
         try:
-            values = list(fn(prompts, completions, **columns))
+            values = self._values(name, fn, prompts, completions, columns)
             if len(values) != n:
                 raise ValueError(f"returned {len(values)} values for {n} completions")
+        except _Failed as e:
+            self.failures[name] = self.failures.get(name, 0) + n
+            self.first_errors.setdefault(name, e.report)
+            return [math.nan] * n
         except Exception:
             self.failures[name] = self.failures.get(name, 0) + n
             self.first_errors.setdefault(name, traceback.format_exc(limit=5))
@@ -52,14 +78,43 @@ class RewardScorer:
         for v in values:
             ok = isinstance(v, numbers.Real) and not isinstance(v, bool)  # numpy scalars too
             try:
-                ok = ok and math.isfinite(v)
+                ok = ok and math.isfinite(v) and abs(v) <= FLOAT32_MAX
             except OverflowError:  # an int too large for a float
                 ok = False
             if not ok and v is not None:
                 self.failures[name] = self.failures.get(name, 0) + 1
-                self.first_errors.setdefault(name, f"non-numeric reward value {v!r}")
+                self.first_errors.setdefault(
+                    name, f"reward value {v!r} is not a finite (float32) number")
             out.append(float(v) if ok else math.nan)
         return out
+
+    def _values(self, name: str, fn: RewardFn, prompts: list[str], completions: list[str],
+                columns: dict[str, list]) -> list[Any]:
+        if not self.timeout_s:
+            return list(fn(prompts, completions, **columns))
+        hung = self._running.get(name)
+        if hung is not None and hung.is_alive():
+            raise _Failed(f"RewardTimeout: {name} still running on an earlier batch "
+                          f"(hung past reward.timeout_s={self.timeout_s:g})")
+        box: dict[str, Any] = {}
+
+        def work() -> None:
+            try:
+                box["values"] = list(fn(prompts, completions, **columns))
+            except Exception:
+                box["error"] = traceback.format_exc(limit=5)
+
+        worker = threading.Thread(target=work, name=f"reward-{name}", daemon=True)
+        worker.start()
+        worker.join(self.timeout_s)
+        if worker.is_alive():
+            self._running[name] = worker
+            raise _Failed(f"RewardTimeout: {name} took longer than reward.timeout_s="
+                          f"{self.timeout_s:g} s on a batch of {len(completions)}; its thread "
+                          "is left running (a thread cannot be killed)")
+        if "error" in box:
+            raise _Failed(box["error"])
+        return box["values"]
 
     def __call__(self, prompts: list[str], completions: list[str],
                  columns: dict[str, list]) -> tuple[list[float], dict[str, list[float]]]:

@@ -4,7 +4,9 @@ Differences from ``model.generate`` that matter for RL:
 - each prompt is prefilled once and its KV cache shared by its G samples;
 - rows that emitted EOS leave the decode batch, so late steps run on the unfinished rows only;
 - the log-prob of each sampled token is log_softmax(logits / temperature) in fp32, i.e. the
-  policy's, not the top-k/top-p-processed distribution (equal when top_k=0 and top_p=1).
+  policy's, not the top-k/top-p-processed distribution (equal when top_k=0 and top_p=1);
+- tokens are drawn by inverse CDF (one uniform per row), not ``torch.multinomial``, so the same
+  seed gives different samples than ``model.generate`` (same distribution).
 """
 
 from __future__ import annotations
@@ -56,11 +58,51 @@ def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     return logits
 
 
+def _draw(probs: torch.Tensor,
+          generator: torch.Generator | list[torch.Generator] | None) -> torch.Tensor:
+    """One token per row from ``probs`` [n, V] (unnormalised is fine), by inverse CDF.
+
+    One uniform per row and an fp64 running sum, instead of ``torch.multinomial``'s
+    exponential draw for every vocabulary entry (the costliest step after the model at a 49k
+    vocabulary). ``right=True`` never lands on a zero-probability token: it returns the first
+    i with cdf_i > u·cdf_V ≥ cdf_{i-1}. A list of generators gives each row its own.
+    """
+    cdf = probs.cumsum(-1, dtype=torch.float64)
+    if isinstance(generator, list):
+        u = torch.cat([torch.rand((1, 1), dtype=torch.float64, generator=g) for g in generator])
+    else:
+        u = torch.rand((probs.shape[0], 1), dtype=torch.float64, generator=generator)
+    tok = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1)
+    return tok.clamp(max=probs.shape[-1] - 1)
+
+
+def _next_tokens(logits: torch.Tensor, params: SamplingParams,
+                 generator: torch.Generator | list[torch.Generator] | None,
+                 greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token [n], its fp32 log-prob under log_softmax(logits / temperature) [n])."""
+    scaled = logits.float()
+    if not greedy and params.temperature != 1.0:
+        scaled = scaled / params.temperature
+    logp = torch.log_softmax(scaled, dim=-1)
+    if greedy:
+        tok = scaled.argmax(-1)
+    elif params.top_k == 0 and params.top_p >= 1.0:
+        tok = _draw(logp.exp(), generator)  # the policy's own distribution
+    else:
+        tok = _draw(torch.softmax(_filter(scaled, params.top_k, params.top_p), -1), generator)
+    return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+
+
 @torch.no_grad()
 def generate(model: Any, prompts: list[list[int]], *, group_size: int, params: SamplingParams,
-             eos: list[int], pad_id: int, generator: torch.Generator | None = None,
+             eos: list[int], pad_id: int,
+             generator: torch.Generator | list[torch.Generator] | None = None,
              greedy: bool = False) -> Rollout:
-    """Sample ``group_size`` responses for each prompt; rows of a group are contiguous."""
+    """Sample ``group_size`` responses for each prompt; rows of a group are contiguous.
+
+    ``generator`` may be a list with one generator per prompt: each group then draws from its
+    own, so its samples do not depend on which other prompts share the batch.
+    """
     was_training = model.training
     model.eval()
     ids, mask = _left_pad(prompts, pad_id)
@@ -72,28 +114,24 @@ def generate(model: Any, prompts: list[list[int]], *, group_size: int, params: S
         cache.batch_repeat_interleave(group_size)
         logits = logits.repeat_interleave(group_size, 0)
         mask = mask.repeat_interleave(group_size, 0)
-    n = logits.shape[0]
+    n, steps = logits.shape[0], params.max_new_tokens
     next_pos = mask.sum(-1)
     active = torch.arange(n)
-    tokens: list[list[int]] = [[] for _ in range(n)]
-    lps: list[list[float]] = [[] for _ in range(n)]
+    # Written in place, one column per step, for the rows still decoding.
+    tokens = torch.zeros((n, steps), dtype=torch.long)
+    lps = torch.zeros((n, steps), dtype=torch.float32)
+    lengths = torch.zeros(n, dtype=torch.long)
     done = torch.zeros(n, dtype=torch.bool)
     eos_t = torch.tensor(eos, dtype=torch.long)
-    for step in range(params.max_new_tokens):
-        scaled = logits.float() / (1.0 if greedy else params.temperature)
-        logp = torch.log_softmax(scaled, dim=-1)
-        if greedy:
-            tok = scaled.argmax(-1)
-        else:
-            probs = torch.softmax(_filter(scaled, params.top_k, params.top_p), -1)
-            tok = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-        tok_lp = logp.gather(-1, tok[:, None]).squeeze(-1)
-        for j, row in enumerate(active.tolist()):
-            tokens[row].append(int(tok[j]))
-            lps[row].append(float(tok_lp[j]))
+    for step in range(steps):
+        gen = ([generator[r // group_size] for r in active.tolist()]
+               if isinstance(generator, list) else generator)
+        tok, tok_lp = _next_tokens(logits, params, gen, greedy)
+        tokens[active, step], lps[active, step] = tok, tok_lp
+        lengths[active] += 1
         finished = torch.isin(tok, eos_t)
         done[active[finished]] = True
-        if step == params.max_new_tokens - 1 or bool(finished.all()):
+        if step == steps - 1 or bool(finished.all()):
             break
         if bool(finished.any()):  # drop finished rows from the decode batch and the KV cache
             keep = (~finished).nonzero().squeeze(-1)
@@ -104,10 +142,11 @@ def generate(model: Any, prompts: list[list[int]], *, group_size: int, params: S
                     cache=cache, use_cache=True)
         logits, next_pos = out.logits[:, -1], next_pos + 1
     model.train(was_training)
+    rows = lengths.tolist()
     return Rollout(
         prompt_ids=[list(p) for p in prompts for _ in range(group_size)],
-        response_ids=tokens,
-        logprobs=[torch.tensor(x, dtype=torch.float32) for x in lps],
+        response_ids=[t[:k] for t, k in zip(tokens.tolist(), rows)],
+        logprobs=[lps[i, :k].clone() for i, k in enumerate(rows)],
         truncated=[not bool(d) for d in done],
         group_size=group_size,
     )

@@ -4,7 +4,10 @@ Layout: ``RUN/checkpoints/step_000010/`` holds the weights (safetensors, loadabl
 ``from_pretrained``), the tokenizer, ``optimizer.pt`` (optimizer + scheduler, tensors only, read
 back with ``weights_only=True``) and ``state.json`` (step, data position, RNG). The folder is
 written under a temporary name, fsynced, then renamed; ``RUN/checkpoints/latest`` names the
-newest complete one and is replaced atomically too.
+newest complete one and is replaced atomically too. A folder that must go (an older step pruned
+by ``keep``, or the same step written again) is first renamed to ``.old-*`` and only then
+deleted, so a ``step_*`` folder is never seen half-deleted either; a SIGKILL at any instant leaves
+every ``step_*`` folder complete (tests/trainer/test_crash_resume.py).
 """
 
 from __future__ import annotations
@@ -12,12 +15,32 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
 LATEST = "latest"
+# Tests only: "PHASE:STEP" (e.g. "renamed:3") makes the write of step_STEP announce PHASE on
+# stderr and then wait, so that a test can SIGKILL the trainer at that instant of the write.
+PAUSE_ENV = "GSPO_TEST_CHECKPOINT_PAUSE"
+PHASES = ("weights", "complete", "renamed", "pointed")
+
+
+def _phase(name: str, step: int) -> None:
+    if os.environ.get(PAUSE_ENV) == f"{name}:{step}":
+        print(f"[checkpoint] {name} step_{step:06d}", file=sys.stderr, flush=True)
+        time.sleep(600)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _fsync_tree(path: Path) -> None:
@@ -25,11 +48,7 @@ def _fsync_tree(path: Path) -> None:
         if f.is_file():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    _fsync_dir(path)
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -41,25 +60,42 @@ def atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def _discard(folder: Path) -> None:
+    """Delete ``folder`` in a way a kill cannot leave half-done: rename it aside, then delete."""
+    aside = folder.with_name(f".old-{folder.name}")
+    shutil.rmtree(aside, ignore_errors=True)
+    os.replace(folder, aside)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
 def save_checkpoint(root: Path, step: int, model: Any, tokenizer: Any, optim_state: dict,
-                    state: dict[str, Any], keep: int) -> Path:
-    """Write ``root/step_{step}`` atomically, point ``latest`` at it, keep the last ``keep``."""
+                    state: dict[str, Any], keep: int, protect: tuple[str, ...] = ()) -> Path:
+    """Write ``root/step_{step}`` atomically, point ``latest`` at it, keep the last ``keep``
+    (and the folders named in ``protect``, e.g. the guard's last good checkpoint)."""
     root.mkdir(parents=True, exist_ok=True)
+    for stale in [*root.glob(".tmp-step_*"), *root.glob(".old-step_*")]:  # a killed write's
+        shutil.rmtree(stale, ignore_errors=True)
     name = f"step_{step:06d}"
     final, tmp = root / name, root / f".tmp-{name}"
-    shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
+    _phase("weights", step)  # the folder holds weights but no optimizer.pt / state.json yet
     torch.save(optim_state, tmp / "optimizer.pt")
     (tmp / "state.json").write_text(json.dumps(state))
     _fsync_tree(tmp)
-    if final.exists():  # re-saving the same step (e.g. after a rollback): replace it whole
-        shutil.rmtree(final)
+    _phase("complete", step)
+    if final.exists():  # re-saving the same step (e.g. after a resume): replace it whole
+        _discard(final)
     os.replace(tmp, final)
+    _fsync_dir(root)
+    _phase("renamed", step)
     atomic_write_text(root / LATEST, name)
+    _fsync_dir(root)
+    _phase("pointed", step)
     for old in sorted(p for p in root.glob("step_*") if p.is_dir())[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+        if old.name not in protect:
+            _discard(old)
     return final
 
 
@@ -77,3 +113,34 @@ def latest_checkpoint(root: Path) -> Path | None:
 def load_checkpoint_state(path: Path) -> tuple[dict, dict[str, Any]]:
     optim_state = torch.load(path / "optimizer.pt", weights_only=True, map_location="cpu")
     return optim_state, json.loads((path / "state.json").read_text())
+
+
+def load_weights(model: Any, path: Path) -> None:
+    """Load the weights of checkpoint ``path`` into ``model`` in place (a LoRA policy: its
+    adapter). Raises if the checkpoint does not cover every parameter."""
+    from safetensors.torch import load_file
+
+    from gspo.models.lora import is_peft
+
+    if is_peft(model):
+        from peft import set_peft_model_state_dict
+
+        result = set_peft_model_state_dict(model, load_file(path / "adapter_model.safetensors"))
+        if getattr(result, "unexpected_keys", None):
+            raise ValueError(f"{path}: unexpected adapter keys {result.unexpected_keys[:3]}")
+        return
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no *.safetensors weights")
+    weights: dict[str, torch.Tensor] = {}
+    for f in files:
+        weights.update(load_file(f))
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    # save_pretrained drops tied copies (e.g. an output layer tied to the embeddings): those
+    # are the only keys allowed to be missing, and loading the original fills them.
+    params = model.state_dict()
+    loaded = {params[k].data_ptr() for k in weights if k in params}
+    untied = [k for k in missing if params[k].data_ptr() not in loaded]
+    if untied or unexpected:
+        raise ValueError(f"{path}: weights do not match the model (missing {untied[:3]}, "
+                         f"unexpected {list(unexpected)[:3]})")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,15 +33,92 @@ def mean_stats(stats: list[dict[str, torch.Tensor]]) -> dict[str, float]:
     return out
 
 
+# How each stat of a minibatch is a mean, which decides how ranks combine it (see reduce_stats).
+_TOKEN_MEANS = ("objective/clip_frac_tokens", "objective/token_ratio_", "objective/approx_kl",
+                "moe/routing_change")  # key prefixes: means over response tokens
+_WEIGHTED = ("objective/loss", "objective/policy_loss", "objective/kl_ref", "train/loss")
+_PER_RANK = ("train/grad_norm", "moe/load_balancing_loss")  # mean of the ranks' values
+
+
+def _kind(key: str) -> str:
+    if key.endswith("_max"):
+        return "max"
+    if key.endswith("_min"):
+        return "min"
+    if key in _WEIGHTED:
+        return "weight"
+    if key in _PER_RANK:
+        return "rank"
+    return "tokens" if key.startswith(_TOKEN_MEANS) else "rows"
+
+
+def reduce_stats(stats: list[dict[str, torch.Tensor]], counts: list[dict[str, float]],
+                 all_reduce: Callable[[torch.Tensor, str], torch.Tensor]
+                 ) -> list[dict[str, torch.Tensor]]:
+    """Global per-minibatch stats from each rank's stats of its own rows (two all-reduces).
+
+    ``counts[m]`` holds this rank's ``rows`` (valid rows), ``tokens`` (response tokens) and
+    ``weight`` (Σ w_i of the objective's mean) in minibatch m; a rank without rows there has
+    zeros. Means over rows or tokens become count-weighted means, the losses Σ w·loss / Σ w,
+    ``*_min`` / ``*_max`` the min / max over ranks, and ``*_std`` the pooled std (exact when
+    the matching ``*_mean`` is in the stats, else the root of the mean within-rank variance).
+    """
+    if not stats:
+        return stats
+    keys = sorted(stats[0])
+    sums, extremes = [], []
+    for s, c in zip(stats, counts):
+        n = {"rows": c["rows"], "tokens": c["tokens"], "weight": c["weight"],
+             "rank": float(c["rows"] > 0)}
+        has_rows = c["rows"] > 0
+        for k in keys:
+            v, kind = float(s[k]), _kind(k)
+            if kind in ("max", "min"):
+                extremes.append((v if kind == "max" else -v) if has_rows else -math.inf)
+                continue
+            if k.endswith("_std"):
+                kind = _kind(k[:-4] + "_mean")
+                mean = float(s.get(k[:-4] + "_mean", torch.tensor(0.0)))
+                v = v * v + mean * mean
+            sums += [v * n[kind], n[kind]]
+    total = all_reduce(torch.tensor(sums, dtype=torch.float64), "sum").tolist()
+    top = all_reduce(torch.tensor(extremes or [0.0], dtype=torch.float64), "max").tolist()
+    out: list[dict[str, torch.Tensor]] = []
+    for _ in stats:
+        row: dict[str, float] = {}
+        for k in keys:
+            kind = _kind(k)
+            if kind in ("max", "min"):
+                row[k] = top.pop(0) * (1 if kind == "max" else -1)
+                continue
+            weighted, n = total.pop(0), total.pop(0)
+            row[k] = weighted / n if n > 0 else 0.0
+        for k in keys:  # E[x²] − E[x]² for the pooled stds, now that the means are global
+            if k.endswith("_std"):
+                mean = row.get(k[:-4] + "_mean", 0.0)
+                row[k] = math.sqrt(max(row[k] - mean * mean, 0.0))
+        out.append({k: torch.tensor(v, dtype=torch.float32) for k, v in row.items()})
+    return out
+
+
+def _is_main_process() -> bool:
+    """False on ranks > 0 of a torch.distributed job: only rank 0 writes logs."""
+    return not (torch.distributed.is_available() and torch.distributed.is_initialized()
+                and torch.distributed.get_rank() != 0)
+
+
 class MetricsLogger:
     def __init__(self, run_dir: Path, tensorboard: bool = False, resume_step: int = -1) -> None:
         self.path = run_dir / "metrics.jsonl"
+        self.tb = None
+        self.enabled = _is_main_process()
+        if not self.enabled:
+            return
         if resume_step >= 0 and self.path.is_file():
             # Drop lines logged after the checkpoint we resume from: they will be redone.
             kept = [ln for ln in self.path.read_text().splitlines()
                     if ln.strip() and json.loads(ln).get("step", -1) <= resume_step]
             self.path.write_text("".join(ln + "\n" for ln in kept))
-        self.tb = None
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -50,6 +128,8 @@ class MetricsLogger:
                 self.tb = SummaryWriter(str(run_dir / "tensorboard"))
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
         row = {"step": step}
         for k, v in metrics.items():
             f = to_float(v) if not isinstance(v, str) else v

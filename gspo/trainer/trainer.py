@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import yaml
 
-from gspo.config import ConfigError, TrainConfig, to_dict
+from gspo.config import ConfigError, TrainConfig, to_dict, validate
 from gspo.data import build_task, format_prompt
 from gspo.data.hf import task_from_records
 from gspo.models import load_model, token_logprobs
@@ -29,6 +29,7 @@ from gspo.rewards.shaping import add_overlong
 from gspo.rollout import SamplingParams, generate, pad_batch
 from gspo.rollout.sampler import eos_ids
 from gspo.trainer.checkpoint import latest_checkpoint, load_checkpoint_state, save_checkpoint
+from gspo.trainer.distributed import prepare as prepare_distributed
 from gspo.trainer.evaluate import evaluate
 from gspo.trainer.metrics import MetricsLogger, mean_stats
 from gspo.trainer.tracking import with_trackers
@@ -69,6 +70,12 @@ class Trainer:
             cfg, model = dataclasses.replace(cfg, model=str(model)), None
         if eval_dataset is not None and train_dataset is None:
             raise ValueError("eval_dataset needs a train_dataset")
+        if reward_fns:  # record them by name in the run's config.yaml, and check the weights
+            names = [f if isinstance(f, str) else getattr(f, "__name__", "reward")
+                     for f in reward_fns]
+            cfg = dataclasses.replace(cfg, reward=dataclasses.replace(cfg.reward,
+                                                                      functions=names))
+        validate(cfg)  # a TrainConfig built in Python has not been checked yet
         self.cfg = cfg
         self.reward_specs = reward_fns or cfg.reward.functions
         self.model, self.tokenizer = model, tokenizer
@@ -108,6 +115,7 @@ class Trainer:
         self.eos, self.pad_id = eos_ids(self.model, self.tokenizer), self.tokenizer.pad_token_id
         self.moe = self._check_moe()
         self.ref_model = self._reference_model() if cfg.objective.beta > 0 else None
+        self.dist = prepare_distributed(self)  # before the optimizer: FSDP2 swaps parameters
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad], lr=cfg.optim.lr,
             betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay)
@@ -181,31 +189,74 @@ class Trainer:
         self.scheduler.load_state_dict(optim_state["scheduler"])
         self.task.load_state_dict(state["task"])
         torch.set_rng_state(optim_state["torch_rng"])
+        if optim_state.get("cuda_rng") is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(optim_state["cuda_rng"])
+        from gspo.trainer.guard import set_extra_rng_state, truncate_logs
+
+        set_extra_rng_state(state.get("rng", {}))
+        # Lines logged after this checkpoint belong to steps the resumed run redoes.
+        truncate_logs(self.run_dir, state.get("log_sizes", {}))
         self.step, self.history = state["step"], state.get("history", [])
         self.baseline_eval = state.get("baseline_eval")
+        self.final_eval = state.get("final_eval")
+        self._guard_state, self._saved_step = state.get("guard"), self.step
 
     def save_checkpoint(self) -> Path:
+        from gspo.trainer.guard import cuda_rng_state, extra_rng_state, log_sizes
+
+        guard = getattr(self, "guard", None)
+        if guard is not None:
+            guard.saved(self.step)
         optim_state = {"optimizer": self.optimizer.state_dict(),
                        "scheduler": self.scheduler.state_dict(),
-                       "torch_rng": torch.get_rng_state()}
+                       "torch_rng": torch.get_rng_state(), "cuda_rng": cuda_rng_state()}
         state = {"step": self.step, "task": self.task.state_dict(), "history": self.history,
-                 "baseline_eval": getattr(self, "baseline_eval", None)}
-        return save_checkpoint(self.run_dir / "checkpoints", self.step, self.model,
-                               self.tokenizer, optim_state, state, self.cfg.keep_checkpoints)
+                 "baseline_eval": getattr(self, "baseline_eval", None),
+                 "final_eval": getattr(self, "final_eval", None),
+                 "guard": guard.state_dict() if guard is not None else None,
+                 "rng": extra_rng_state(), "log_sizes": log_sizes(self.run_dir)}
+        good = guard.last_good_step if guard is not None else None
+        path = save_checkpoint(self.run_dir / "checkpoints", self.step, self.model,
+                               self.tokenizer, optim_state, state, self.cfg.keep_checkpoints,
+                               protect=() if good is None else (f"step_{good:06d}",))
+        self._saved_step = self.step
+        return path
 
     # ------------------------------------------------------------------ one RL step
     def rollout(self) -> tuple[list[Any], Any]:
+        """This rank's share of the step's prompts (all of them in one process) and their
+        ``group_size`` samples each."""
         cfg = self.cfg.rollout
+        # Every rank draws the same prompts and keeps whole groups: advantages stay local.
         examples = self.task.sample(cfg.prompts_per_step)
+        lo, hi = self.dist.shard(len(examples))
+        examples = examples[lo:hi]
         task = self.cfg.task
         prompts = [format_prompt(self.tokenizer, ex.prompt, chat_template=task.chat_template,
                                  system_prompt=task.system_prompt) for ex in examples]
-        # A per-step generator makes sampling a function of (seed, step): resume is exact.
-        gen = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + self.step)
+        # Sampling is a function of (seed, step, prompt index): resume is exact, and the
+        # responses do not depend on how the prompts are split across ranks.
+        seeds = [(self.cfg.seed * 1_000_003 + self.step) * 65_537 + lo + i
+                 for i in range(len(prompts))]
         params = SamplingParams(cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k)
-        roll = generate(self.model, prompts, group_size=cfg.group_size, params=params,
-                        eos=self.eos, pad_id=self.pad_id, generator=gen)
+        if cfg.engine == "vllm":
+            return examples, self._vllm().generate(prompts, group_size=cfg.group_size,
+                                                   params=params, seeds=seeds)
+        gens = [torch.Generator().manual_seed(s) for s in seeds]
+        with self.dist.full_weights(self.model):
+            roll = generate(self.model, prompts, group_size=cfg.group_size, params=params,
+                            eos=self.eos, pad_id=self.pad_id, generator=gens)
         return examples, roll
+
+    def _vllm(self) -> Any:
+        """The vLLM engine, started on first use from the current policy weights."""
+        if getattr(self, "_vllm_engine", None) is None:
+            from gspo.rollout.vllm_engine import VLLMEngine
+
+            self._vllm_engine = VLLMEngine.from_policy(
+                self.model, self.tokenizer, dtype=self.cfg.dtype, seed=self.cfg.seed,
+                gpu_memory_utilization=self.cfg.rollout.vllm_memory_fraction)
+        return self._vllm_engine
 
     def score(self, examples: list[Any], roll: Any) -> tuple[torch.Tensor, dict[str, float]]:
         g = roll.group_size
@@ -215,16 +266,18 @@ class Trainer:
         for key in examples[0].columns:
             columns[key] = [ex.columns.get(key) for ex in examples for _ in range(g)]
         total, per_fn = self.scorer(prompts, completions, columns)
-        rewards = torch.tensor(total, dtype=torch.float32)
+        # Every rank's rewards in prompt order: batch-scaled advantages, the reward metrics and
+        # the unscorable check below see the global batch, so all ranks raise or none does.
+        rewards, _ = self.dist.gather(torch.tensor(total, dtype=torch.float32))
         unscorable = float(torch.isnan(rewards).float().mean())
         if unscorable > self.cfg.reward.max_unscorable_frac:
             first = next(iter(self.scorer.first_errors.values()), "reward returned None")
             raise RewardError(f"{unscorable:.0%} of responses could not be scored "
                               f"(> reward.max_unscorable_frac); first error: "
                               f"{first.strip().splitlines()[-1]}")
-        extra = {f"reward/{k}": float(torch.tensor(v).nanmean()) for k, v in per_fn.items()
-                 if len(per_fn) > 1}
-        self._last_samples = list(zip(prompts[:g:g], completions[:1], total[:1]))
+        extra = {f"reward/{k}": float(self.dist.gather(torch.tensor(v, dtype=torch.float32))[0]
+                                      .nanmean()) for k, v in per_fn.items() if len(per_fn) > 1}
+        self._last_samples = (prompts, completions, total, per_fn, columns["answer"])
         return rewards, extra
 
     @torch.no_grad()
@@ -239,10 +292,10 @@ class Trainer:
                 from gspo.models.moe import capture_routing
 
                 rec = stack.enter_context(capture_routing(self.model))
-            lp, ent = token_logprobs(self.model, batch["input_ids"], batch["attention_mask"],
-                                     batch["response_mask"],
-                                     temperature=self.cfg.rollout.temperature,
-                                     chunk=self.cfg.logprob_chunk, with_entropy=True)
+            lp, ent = self.dist.forward(self.model, token_logprobs, batch["input_ids"],
+                                        batch["attention_mask"], batch["response_mask"],
+                                        temperature=self.cfg.rollout.temperature,
+                                        chunk=self.cfg.logprob_chunk, with_entropy=True)
         return lp, ent, (rec.take() if rec is not None else None)
 
     def train_step(self) -> dict[str, float]:
@@ -251,12 +304,15 @@ class Trainer:
         examples, roll = self.rollout()
         t["rollout"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        rewards, reward_extra = self.score(examples, roll)
+        rewards, reward_extra = self.score(examples, roll)  # the global batch's
         adv = ADVANTAGES[cfg.objective.advantage](rewards, roll.group_size,
                                                   scale=cfg.objective.scale_rewards)
+        first = self.dist.shard(cfg.rollout.prompts_per_step)[0] * roll.group_size
+        adv = adv[first:first + len(roll)]  # this rank's rows
         t["reward"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        batch = pad_batch(roll.prompt_ids, roll.response_ids, self.pad_id, roll.logprobs)
+        batch = {k: v.to(self.dist.device) for k, v in
+                 pad_batch(roll.prompt_ids, roll.response_ids, self.pad_id, roll.logprobs).items()}
         recomputed, entropy, routing = self.old_logprobs(batch)
         mask = batch["response_mask"]
         n_tok = mask.sum(1).clamp(min=1)
@@ -267,6 +323,12 @@ class Trainer:
             ref, _ = token_logprobs(self.ref_model, batch["input_ids"], batch["attention_mask"],
                                     mask, temperature=cfg.rollout.temperature,
                                     chunk=cfg.logprob_chunk)
+        elif cfg.objective.beta > 0:  # LoRA: π_ref is the policy with its adapter disabled
+            from gspo.models.lora import reference_logprobs
+
+            ref = reference_logprobs(self.model, batch["input_ids"], batch["attention_mask"],
+                                     mask, temperature=cfg.rollout.temperature,
+                                     chunk=cfg.logprob_chunk)
         t["old_logprobs"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         update = UpdateBatch(batch["input_ids"], batch["attention_mask"], mask, old, adv, ref,
@@ -275,27 +337,47 @@ class Trainer:
         stats, skipped = policy_update(
             self.model, self.optimizer, self.scheduler, update, objective=cfg.objective,
             temperature=cfg.rollout.temperature, chunk=cfg.logprob_chunk,
-            grad_clip=cfg.optim.grad_clip, generator=gen, moe=cfg.moe if self.moe else None)
+            grad_clip=cfg.optim.grad_clip, generator=gen, moe=cfg.moe if self.moe else None,
+            dist=self.dist)
         t["update"] = time.perf_counter() - t0
-        n_resp = sum(len(r) for r in roll.response_ids)
-        n_tokens = int(batch["attention_mask"].sum())
-        lengths = torch.tensor([len(r) for r in roll.response_ids], dtype=torch.float32)
-        metrics = {
+        if cfg.rollout.engine == "vllm":  # the next rollout samples from the updated policy
+            t0 = time.perf_counter()
+            self._vllm().load_weights(self.model)
+            t["weight_sync"] = time.perf_counter() - t0
+        return {
             **{k: float(v) for k, v in group_stats(rewards, roll.group_size).items()},
             **reward_extra,
             **mean_stats(stats),
+            **self._rollout_metrics(roll, batch, entropy, rollout_gap, t),
             "train/skipped_updates": skipped,
             "train/lr": self.scheduler.get_last_lr()[0],
-            "train/entropy": float((entropy * mask).sum() / mask.sum().clamp(min=1)),
-            "rollout/response_len_mean": float(lengths.mean()),
-            "rollout/response_len_max": float(lengths.max()),
-            "rollout/truncated_frac": sum(roll.truncated) / len(roll),
-            "rollout/logprob_gap_abs_max": float(rollout_gap.abs().max()),
-            "perf/rollout_tokens_per_s": n_resp / max(t["rollout"], 1e-9),
-            "perf/update_tokens_per_s": n_tokens * cfg.objective.epochs / max(t["update"], 1e-9),
             **{f"time/{k}_s": v for k, v in t.items()},
         }
-        return metrics
+
+    def _rollout_metrics(self, roll: Any, batch: dict[str, torch.Tensor], entropy: torch.Tensor,
+                         gap: torch.Tensor, t: dict[str, float]) -> dict[str, float]:
+        """Entropy, lengths, truncation, sampler/trainer log-prob gap and throughput over the
+        global batch (sums and maxima all-reduced; times are this rank's)."""
+        mask = batch["response_mask"]
+        lengths = torch.tensor([len(r) for r in roll.response_ids], dtype=torch.float64)
+        sums = self.dist.all_reduce(torch.stack([
+            (entropy * mask).sum().double().cpu(), mask.sum().double().cpu(), lengths.sum(),
+            torch.tensor(float(len(roll)), dtype=torch.float64),
+            torch.tensor(float(sum(roll.truncated)), dtype=torch.float64),
+            batch["attention_mask"].sum().double().cpu()]))
+        ent, n_tok, len_sum, n_rows, truncated, n_tokens = sums.tolist()
+        len_max, gap_max = self.dist.all_reduce(
+            torch.stack([lengths.max(), gap.abs().max().double().cpu()]), "max").tolist()
+        return {
+            "train/entropy": ent / max(n_tok, 1.0),
+            "rollout/response_len_mean": len_sum / n_rows,
+            "rollout/response_len_max": len_max,
+            "rollout/truncated_frac": truncated / n_rows,
+            "rollout/logprob_gap_abs_max": gap_max,
+            "perf/rollout_tokens_per_s": len_sum / max(t["rollout"], 1e-9),
+            "perf/update_tokens_per_s": (n_tokens * self.cfg.objective.epochs
+                                         / max(t["update"], 1e-9)),
+        }
 
     # ------------------------------------------------------------------ the loop
     def evaluate(self) -> dict[str, float]:
@@ -306,38 +388,159 @@ class Trainer:
                         pad_id=self.pad_id)
 
     def train(self) -> dict[str, Any]:
+        """Run to ``cfg.steps``, evaluate, checkpoint; returns the before/after evaluation.
+
+        The first SIGINT/SIGTERM finishes the current step, checkpoints and returns with
+        ``interrupted`` set; a second abandons the step (``KeyboardInterrupt``). The guard
+        (``cfg.guard``) may roll back, lower the lr, or raise
+        :class:`gspo.trainer.guard.GuardStop` after checkpointing.
+        """
+        from gspo.trainer.guard import GracefulStop
+
+        self._arm_reliability()
+        try:
+            with GracefulStop() as stop:
+                try:
+                    return self._train(stop)
+                except KeyboardInterrupt:
+                    self._abandoned()
+                    raise
+        finally:
+            self.logger.close()
+
+    def _train(self, stop: Any) -> dict[str, Any]:
         from tqdm.auto import tqdm
 
         cfg = self.cfg
-        if self.step == 0 and cfg.eval_before and self.task.eval_examples:
+        if (self.step == 0 and cfg.eval_before and self.task.eval_examples
+                and getattr(self, "baseline_eval", None) is None):
             self.baseline_eval = self.evaluate()
+            self._log_reward_errors(0)
             self.logger.log(0, {f"eval/{k}": v for k, v in self.baseline_eval.items()})
             print(f"held-out before training: accuracy {self.baseline_eval['accuracy']:.1%} "
                   f"on {len(self.task.eval_examples)} problems", flush=True)
+        if cfg.save_every and self._saved_step is None:
+            self.save_checkpoint()  # step 0: resumable, and a rollback target, from the start
         bar = tqdm(total=cfg.steps, initial=self.step, disable=not cfg.progress, desc="train",
                    dynamic_ncols=True)
-        while self.step < cfg.steps:
-            metrics = self.train_step()
-            self.step += 1
-            if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < cfg.steps:
-                metrics.update({f"eval/{k}": v for k, v in self.evaluate().items()})
-            self.logger.log(self.step, metrics)
-            self.history.append({k: metrics[k] for k in ("reward/mean",) if k in metrics})
-            bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}",
-                            clip=f"{metrics.get('objective/clip_frac_tokens', 0):.3f}")
-            bar.update(1)
-            if cfg.save_every and self.step % cfg.save_every == 0 and self.step < cfg.steps:
-                self.save_checkpoint()
+        while self.step < cfg.steps and stop.requested is None:
+            self._step(bar)
         bar.close()
-        final = self.evaluate() if self.task.eval_examples else {}
-        if final:
-            self.logger.log(self.step, {f"eval/{k}": v for k, v in final.items()})
-        self.save_checkpoint()
+        if stop.requested is not None:
+            return self._interrupted()
+        return self._finish()
+
+    def _step(self, bar: Any) -> None:
+        """One step of the loop: train_step, then the guard, logging and checkpointing."""
+        cfg = self.cfg
+        failures = dict(getattr(self.scorer, "failures", {}))
+        try:
+            metrics = self.train_step()
+        finally:  # also when the step raises (e.g. too many unscorable responses)
+            self._log_reward_errors(self.step + 1)
+        self.step += 1
+        self.final_eval = None
+        now = getattr(self.scorer, "failures", {})
+        metrics.update({f"reward/failures/{n}": now.get(n, 0) - failures.get(n, 0)
+                        for n in getattr(self.scorer, "names", [])})
+        reason = self.guard.observe(metrics)
+        stop_reason = self._respond(reason) if reason else None
+        metrics.update(self.guard.metrics())
+        if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < cfg.steps:
+            metrics.update({f"eval/{k}": v for k, v in self.evaluate().items()})
+        self.logger.log(self.step, metrics)
+        if cfg.logging.samples_every and self.step % cfg.logging.samples_every == 0:
+            from gspo.trainer.samples import write_samples
+
+            p, c, r, f, a = self._last_samples
+            write_samples(self.run_dir, self.step, p, c, r, answers=a, per_fn=f,
+                          limit=2 * cfg.rollout.group_size)
+        self.history.append({k: metrics[k] for k in ("reward/mean",) if k in metrics})
+        bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}",
+                        clip=f"{metrics.get('objective/clip_frac_tokens', 0):.3f}")
+        bar.update(1)
+        if stop_reason:
+            self._guard_stop(stop_reason)
+        if cfg.save_every and self.step % cfg.save_every == 0 and self.step < cfg.steps:
+            self.save_checkpoint()
+
+    def _finish(self) -> dict[str, Any]:
+        if self.final_eval is None:  # else restored with the final checkpoint: already logged
+            self.final_eval = self.evaluate() if self.task.eval_examples else {}
+            if self.final_eval:
+                self.logger.log(self.step, {f"eval/{k}": v for k, v in self.final_eval.items()})
+            self.save_checkpoint()
         result = {"steps": self.step, "before": getattr(self, "baseline_eval", None),
-                  "after": final, "run_dir": str(self.run_dir)}
+                  "after": self.final_eval, "run_dir": str(self.run_dir)}
         (self.run_dir / "final_eval.json").write_text(json.dumps(result, indent=2))
-        self.logger.close()
         return result
+
+    # ------------------------------------------------------------------ reliability
+    def _arm_reliability(self) -> None:
+        """Guard (counters restored on resume), reward timeout and the reward error log."""
+        from gspo.trainer.guard import Guard, RewardErrorLog
+
+        if getattr(self, "guard", None) is None:
+            self.guard = Guard(self.cfg.guard)
+            if getattr(self, "_guard_state", None):
+                self.guard.load_state_dict(self._guard_state)
+        if hasattr(self.scorer, "timeout_s"):
+            self.scorer.timeout_s = self.cfg.reward.timeout_s
+        self.reward_log = RewardErrorLog(self.run_dir)
+        self._saved_step = getattr(self, "_saved_step", None)
+        self.final_eval = getattr(self, "final_eval", None)
+
+    def _log_reward_errors(self, step: int) -> None:
+        errors = getattr(self.scorer, "first_errors", {})
+        for name in self.reward_log.update(step, errors):
+            last = (errors[name].strip().splitlines() or ["?"])[-1]
+            print(f"reward function '{name}' failed at step {step}: {last} "
+                  f"(traceback: {self.reward_log.path})", flush=True)
+
+    def _respond(self, reason: str) -> str | None:
+        """Act on a guard signal: roll back (None: the run goes on) or the reason to stop."""
+        g = self.cfg.guard
+        print(f"guard: step {self.step}: {reason}", flush=True)
+        if g.on_fault == "stop":
+            return reason
+        if self.guard.rollbacks >= g.max_rollbacks:
+            return f"{reason}; rolled back {self.guard.rollbacks} times already"
+        from gspo.trainer.guard import roll_back
+
+        ckpt = self.guard.good_checkpoint(self.run_dir / "checkpoints")
+        if ckpt is None:
+            return f"{reason}; no checkpoint to roll back to (set save_every > 0)"
+        factor = g.lr_factor if g.on_fault == "lower_lr" else 1.0
+        roll_back(ckpt, self.model, self.optimizer, self.scheduler, lr_factor=factor)
+        self.guard.acted(rolled_back=True)
+        lr = f", lr now {self.scheduler.get_last_lr()[0]:.3g}" if factor != 1.0 else ""
+        print(f"guard: rolled back to {ckpt.name} (weights and optimizer){lr}; rollback "
+              f"{self.guard.rollbacks} of at most {g.max_rollbacks}", flush=True)
+        return None
+
+    def _guard_stop(self, reason: str) -> None:
+        from gspo.trainer.guard import GuardStop
+
+        if self._saved_step != self.step:
+            self.save_checkpoint()
+        raise GuardStop(f"guard stopped the run at step {self.step}: {reason}; state saved in "
+                        f"{self.run_dir}/checkpoints/step_{self.step:06d}, metrics in "
+                        f"{self.run_dir}/metrics.jsonl")
+
+    def _interrupted(self) -> dict[str, Any]:
+        if self._saved_step != self.step:
+            self.save_checkpoint()
+        print(f"interrupted at step {self.step}; resume with: gspo train resume={self.run_dir}",
+              flush=True)
+        return {"steps": self.step, "before": getattr(self, "baseline_eval", None), "after": {},
+                "run_dir": str(self.run_dir), "interrupted": True}
+
+    def _abandoned(self) -> None:
+        ckpt = latest_checkpoint(self.run_dir / "checkpoints")
+        where = (f"resume from {ckpt.name} with: gspo train resume={self.run_dir}" if ckpt
+                 else "no checkpoint yet: start the run again")
+        print(f"interrupted again after step {self.step}: work in progress abandoned; {where}",
+              flush=True)
 
     def resolved_config(self) -> dict[str, Any]:
         return dataclasses.asdict(self.cfg)

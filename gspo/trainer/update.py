@@ -11,6 +11,8 @@ import torch
 
 from gspo.models.logprobs import token_logprobs
 from gspo.objectives import OBJECTIVES
+from gspo.trainer.distributed import Dist
+from gspo.trainer.metrics import reduce_stats
 
 
 @dataclass
@@ -52,47 +54,114 @@ def _forward_ctx(model: Any, mb: UpdateBatch, moe: Any) -> contextlib.AbstractCo
                        aux=moe.aux_loss_coef > 0)
 
 
+def _all_finite(loss: torch.Tensor, logprobs: torch.Tensor, old_logprobs: torch.Tensor,
+                mask: torch.Tensor) -> bool:
+    """Loss, log π_θ and log π_old all finite on response tokens (one host sync). A clipped
+    objective can turn an infinite ratio into a finite loss, so the loss alone is not enough."""
+    on = mask > 0
+    ok = (torch.isfinite(loss) & torch.isfinite(logprobs[on]).all()
+          & torch.isfinite(old_logprobs[on]).all())
+    return bool(ok)
+
+
+def row_weights(mask: torch.Tensor, objective: Any) -> torch.Tensor:
+    """w_i [N]: the weights of the objective's mean over rows, Σ_i w_i term_i / Σ_i w_i, as
+    the losses compute it: |y_i| for GSPO's ``token`` aggregation, else 1 for every row with
+    at least one response token."""
+    lengths = (mask > 0).sum(-1).float()
+    if objective.name == "gspo" and objective.aggregation == "token":
+        return lengths
+    return (lengths > 0).float()
+
+
+def _local_rows(mb_idx: torch.Tensor, offset: int, n_local: int, w_global: torch.Tensor,
+                d: Dist) -> tuple[torch.Tensor, float, bool]:
+    """This rank's rows of a global minibatch, its loss multiplier and whether it has none.
+
+    The loss of the local rows is Σ_local w_i term_i / Σ_local w_i; times
+    W · Σ_local w / Σ_global w it becomes W · Σ_local w_i term_i / Σ_global w, and the
+    gradient average over the W ranks (DDP, FSDP2) then yields exactly the gradient of the
+    mean over the global minibatch. A rank with no row there still runs a forward and a
+    backward (the collectives must match) on one of its rows, with multiplier 0.
+    """
+    mine = mb_idx[(mb_idx >= offset) & (mb_idx < offset + n_local)] - offset
+    if not d.enabled:
+        return mine, 1.0, False
+    if mine.numel() == 0:
+        return torch.zeros(1, dtype=torch.long), 0.0, True
+    local_w = float(w_global[mine + offset].sum())
+    return mine, d.world_size * local_w / max(float(w_global[mb_idx].sum()), 1.0), False
+
+
+def _grad_norm(model: Any, grad_clip: float) -> torch.Tensor:
+    gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(),
+                                           grad_clip if grad_clip > 0 else math.inf)
+    return gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm  # FSDP2: a DTensor
+
+
+def _token_ratio_mean(logprobs: torch.Tensor, old: torch.Tensor,
+                      mask: torch.Tensor) -> torch.Tensor:
+    """Mean token ratio w_it over response tokens (detached); with ``token_ratio_std`` it lets
+    the std be pooled exactly across ranks."""
+    on = mask > 0
+    log_w = torch.where(on, logprobs.detach() - old, 0.0).clamp(-20.0, 20.0)
+    return torch.where(on, log_w.exp(), 0.0).sum() / on.sum().clamp(min=1)
+
+
 def policy_update(model: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
                   batch: UpdateBatch, *, objective: Any, temperature: float, chunk: int,
-                  grad_clip: float, generator: torch.Generator,
-                  moe: Any = None) -> tuple[list[dict[str, torch.Tensor]], int]:
+                  grad_clip: float, generator: torch.Generator, moe: Any = None,
+                  dist: Dist | None = None) -> tuple[list[dict[str, torch.Tensor]], int]:
     """Run ``objective.epochs`` passes of ``objective.num_minibatches`` AdamW steps.
 
     ``moe`` (a :class:`gspo.config.MoEConfig`, only for MoE policies) switches on routing
     replay, the routing-change metric and the load-balancing loss.
-    Returns the per-minibatch stats and the number of updates skipped for non-finite values.
+    ``dist`` (several processes): ``batch`` holds this rank's rows of the global rollout batch
+    (rank order); every rank draws the same permutation of the global batch, computes its rows
+    of each minibatch, and the stats come back as global values (see :func:`_local_rows`).
+    The MoE load-balancing loss is each rank's own, averaged over ranks.
+    Returns the per-minibatch stats and the number of updates skipped for a non-finite loss,
+    log-prob (π_θ or π_old, on response tokens) or gradient norm (decided jointly by all ranks).
     """
+    d = dist if dist is not None else Dist()
     loss_fn = OBJECTIVES[objective.name]
     options = {"aggregation": objective.aggregation} if objective.name == "gspo" else {}
-    n = batch.input_ids.shape[0]
+    n_local = batch.input_ids.shape[0]
+    w_global, offset = d.gather(row_weights(batch.response_mask, objective))
     all_stats: list[dict[str, torch.Tensor]] = []
+    counts: list[dict[str, float]] = []
     skipped = 0
     model.train()
     for _ in range(objective.epochs):
-        order = torch.randperm(n, generator=generator)
+        order = torch.randperm(w_global.shape[0], generator=generator)
         for mb_idx in order.tensor_split(objective.num_minibatches):
-            mb = batch.rows(mb_idx.sort().values)
+            mb_idx = mb_idx.sort().values
+            local, share, empty = _local_rows(mb_idx, offset, n_local, w_global, d)
+            mb = batch.rows(local)
             with _forward_ctx(model, mb, moe) as moe_out:
-                logprobs, _ = token_logprobs(model, mb.input_ids, mb.attention_mask,
-                                             mb.response_mask, temperature=temperature,
-                                             chunk=chunk)
+                logprobs, _ = d.forward(model, token_logprobs, mb.input_ids, mb.attention_mask,
+                                        mb.response_mask, temperature=temperature, chunk=chunk)
                 loss, stats = loss_fn(logprobs, mb.old_logprobs, mb.advantages, mb.response_mask,
                                       eps_low=objective.eps_low, eps_high=objective.eps_high,
                                       beta=objective.beta, ref_logprobs=mb.ref_logprobs,
                                       **options)
+                stats = {**stats, "objective/token_ratio_mean": _token_ratio_mean(
+                    logprobs, mb.old_logprobs, mb.response_mask)}
+                grad_loss = loss * share if d.enabled else loss
                 if moe_out.get("live_logits"):
                     from gspo.trainer.moe_hooks import aux_loss
 
                     lb = aux_loss(model, moe_out["live_logits"], mb.attention_mask)
                     stats = {**stats, "moe/load_balancing_loss": lb.detach()}
                     loss = loss + moe.aux_loss_coef * lb
+                    grad_loss = grad_loss + (0.0 if empty else moe.aux_loss_coef) * lb
                 optimizer.zero_grad(set_to_none=True)
-                if not torch.isfinite(loss):
+                finite = _all_finite(loss, logprobs, mb.old_logprobs, mb.response_mask)
+                if not _everywhere(finite, d):
                     skipped += 1
                     continue
-                loss.backward()  # inside the replay block: checkpoint recomputes replay too
-            gnorm = torch.nn.utils.clip_grad_norm_(
-                model.parameters(), grad_clip if grad_clip > 0 else math.inf)
+                grad_loss.backward()  # inside the replay block: checkpoint recomputes replay too
+            gnorm = _grad_norm(model, grad_clip)
             if not torch.isfinite(gnorm):
                 optimizer.zero_grad(set_to_none=True)
                 skipped += 1
@@ -108,5 +177,18 @@ def policy_update(model: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
             stats["train/grad_norm"] = gnorm.detach()
             stats["train/loss"] = loss.detach()
             all_stats.append(stats)
+            on = mb.response_mask > 0
+            counts.append({"rows": 0.0 if empty else float(on.any(-1).sum()),
+                           "tokens": 0.0 if empty else float(on.sum()),
+                           "weight": 0.0 if empty else float(w_global[local + offset].sum())})
     optimizer.zero_grad(set_to_none=True)
+    if d.enabled:
+        all_stats = reduce_stats(all_stats, counts, d.all_reduce)
     return all_stats, skipped
+
+
+def _everywhere(ok: bool, d: Dist) -> bool:
+    """True when ``ok`` holds on every rank: a skip must happen on all ranks or on none."""
+    if not d.enabled:
+        return ok
+    return bool(d.all_reduce(torch.tensor([float(ok)]), "min")[0] > 0)

@@ -1,0 +1,252 @@
+"""Update-phase FLOP/s against this machine's fp32 matmul peak, and log-prob-step memory.
+
+1. Peak: ``torch.mm`` on the update's own matmul shapes (and 2048²), measured in this run.
+2. Update phase = the π_old pass (no grad, with entropy) + gspo's ``policy_update`` (GSPO,
+   ``minibatches`` AdamW steps) on one rollout batch (B prompts × G responses), through the
+   plain :func:`token_logprobs` and through :func:`gspo.models.packing.shared_prefix_logprobs`
+   (patched into the update for the measurement), interleaved. FLOPs are counted with
+   ``torch.utils.flop_counter.FlopCounterMode`` (matmuls and attention, forward and backward).
+3. Memory: the log-prob step alone (fp32 head V × H, T positions, forward + backward) in a child
+   process per variant: gspo's chunked ``token_logprobs`` vs a naive ``log_softmax`` over the
+   full [T, V] fp32 logits; peak = VmHWM − RSS before the step.
+
+With one thread, times are CPU seconds of the process (robust to other load on the machine).
+
+    python -m benchmarks.bench_update --model smollm2-135m-instruct
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.common import (
+    PROMPTS,
+    child_main,
+    fmt,
+    machine,
+    median,
+    now,
+    run_child,
+    write_result,
+)
+
+
+def _clock(threads: int) -> int:
+    return 1 if threads == 1 else 0  # index into now(): CPU seconds with one thread, else wall
+
+
+# ----------------------------------------------------------------------------- 1. peak
+def matmul_peak(shapes: list[tuple[int, int, int]], threads: int, reps: int = 5,
+                gflop: float = 2.0) -> dict[str, float]:
+    """Median GFLOP/s of ``torch.mm`` [m, k] × [k, n] for each shape (~``gflop`` per timing)."""
+    out = {}
+    for m, k, n in shapes:
+        a, b = torch.randn(m, k), torch.randn(k, n)
+        inner = max(1, int(gflop * 1e9 / (2 * m * k * n)))
+        times = []
+        for _ in range(reps + 1):
+            t0 = now()[_clock(threads)]
+            for _ in range(inner):
+                torch.mm(a, b)
+            times.append((now()[_clock(threads)] - t0) / inner)
+        out[f"{m}x{k}x{n}"] = 2 * m * k * n / median(times[1:]) / 1e9
+    return out
+
+
+# ----------------------------------------------------------------------------- 2. update
+@contextlib.contextmanager
+def logprob_path(packed: bool):
+    """Point gspo's update (and this benchmark's π_old pass) at the chosen log-prob function."""
+    import gspo.trainer.update as update_module
+    from gspo.models.logprobs import token_logprobs
+    from gspo.models.packing import shared_prefix_logprobs
+
+    fn = shared_prefix_logprobs if packed else token_logprobs
+    saved = update_module.token_logprobs
+    update_module.token_logprobs = fn
+    try:
+        yield fn
+    finally:
+        update_module.token_logprobs = saved
+
+
+def rollout_batch(tok: Any, prompts: int, group: int, response_len: int,
+                  seed: int = 0) -> dict[str, torch.Tensor]:
+    from gspo.data import format_prompt
+    from gspo.rollout import pad_batch
+
+    g = torch.Generator().manual_seed(seed)
+    ids = [format_prompt(tok, p) for p in PROMPTS[:prompts]]
+    rows = [p for p in ids for _ in range(group)]
+    resp = [torch.randint(100, len(tok) - 1, (response_len,), generator=g).tolist() for _ in rows]
+    return pad_batch(rows, resp, tok.pad_token_id)
+
+
+def update_phase(model: Any, optimizer: Any, batch: dict[str, torch.Tensor], *, packed: bool,
+                 minibatches: int, seed: int) -> None:
+    """π_old pass + policy_update, as Trainer.train_step runs them (fp32, GSPO, β = 0)."""
+    from gspo.config import ObjectiveConfig
+    from gspo.trainer.update import UpdateBatch, policy_update
+
+    with logprob_path(packed) as logprobs_fn:
+        model.eval()
+        with torch.no_grad():
+            old, _ = logprobs_fn(model, batch["input_ids"], batch["attention_mask"],
+                                 batch["response_mask"], with_entropy=True)
+        n = batch["input_ids"].shape[0]
+        adv = torch.randn(n, generator=torch.Generator().manual_seed(seed))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+        policy_update(model, optimizer, scheduler,
+                      UpdateBatch(batch["input_ids"], batch["attention_mask"],
+                                  batch["response_mask"], old, adv),
+                      objective=ObjectiveConfig(num_minibatches=minibatches), temperature=1.0,
+                      chunk=256, grad_clip=1.0, generator=torch.Generator().manual_seed(seed))
+
+
+def count_flops(fn: Any) -> float:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return float(counter.get_total_flops())
+
+
+# ----------------------------------------------------------------------------- 3. memory
+def _rss_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def memory_child(spec: dict[str, Any]) -> dict[str, Any]:
+    """Peak extra memory of one log-prob step (forward + backward) at V × H, T positions."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from gspo.models.logprobs import token_logprobs
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=spec["vocab"], hidden_size=spec["hidden"], num_hidden_layers=0,
+                      num_attention_heads=8, num_key_value_heads=8, intermediate_size=64,
+                      tie_word_embeddings=True)
+    model = LlamaForCausalLM(cfg)  # zero layers: embedding, final norm, fp32 head only
+    ids = torch.randint(0, spec["vocab"], (1, spec["T"]))
+    mask = torch.ones_like(ids)
+    target = mask.clone()
+    target[:, 0] = 0
+    before = _rss_mb()
+    if spec["variant"] == "gspo":
+        lp, _ = token_logprobs(model, ids, mask, target, chunk=spec["chunk"])
+        value = (lp * target).sum()
+    else:  # naive: the full [T, V] fp32 logits and their log_softmax
+        logits = model(input_ids=ids, attention_mask=mask).logits.float()
+        lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+        value = lp.sum()
+    value.backward()
+    from benchmarks.common import peak_rss_mb
+
+    return {"variant": spec["variant"], "extra_peak_mb": peak_rss_mb() - before,
+            "value": float(value.detach())}
+
+
+# ----------------------------------------------------------------------------- driver
+def run_update(a: argparse.Namespace) -> dict[str, Any]:
+    from gspo.models import load_model
+
+    model, tok = load_model(a.model)
+    batch = rollout_batch(tok, a.prompts, a.group_size, a.response_len)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-7)
+    flops = {}
+    for packed in (False, True):
+        flops[packed] = count_flops(lambda p=packed: update_phase(
+            model, optimizer, batch, packed=p, minibatches=a.minibatches, seed=0))
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for r in range(a.reps):
+        for packed in ((False, True) if r % 2 == 0 else (True, False)):
+            t0 = now()[_clock(a.threads)]
+            update_phase(model, optimizer, batch, packed=packed, minibatches=a.minibatches,
+                         seed=r)
+            times[packed].append(now()[_clock(a.threads)] - t0)
+    m = a.group_size * a.prompts // a.minibatches * int(batch["attention_mask"].sum(1).max())
+    hidden = model.config.hidden_size
+    inter = getattr(model.config, "intermediate_size", 4 * hidden)
+    vocab = model.config.vocab_size
+    shapes = [(m, hidden, inter), (m, inter, hidden), (m, hidden, hidden), (512, hidden, vocab)]
+    shapes += [(a.square, a.square, a.square)] if a.square else []
+    peak = matmul_peak(shapes, a.threads, gflop=a.peak_gflop)
+    best = max(peak.values())
+    out = {"tokens": int(batch["attention_mask"].sum()), "matmul_gflops": peak,
+           "matmul_peak_gflops": best}
+    for packed, name in ((False, "plain"), (True, "packed")):
+        s = median(times[packed])
+        out[name] = {"s": s, "all_s": times[packed], "gflop": flops[packed] / 1e9,
+                     "gflops": flops[packed] / s / 1e9,
+                     "frac_of_peak": flops[packed] / s / 1e9 / best,
+                     "effective_gflops": flops[False] / s / 1e9}
+    out["packed_speedup"] = median(times[False]) / median(times[True])
+    return out
+
+
+def run_memory(a: argparse.Namespace) -> dict[str, Any]:
+    res = {}
+    for variant in ("gspo", "naive"):
+        res[variant] = run_child("benchmarks.bench_update", {
+            "variant": variant, "vocab": a.mem_vocab, "hidden": a.mem_hidden, "T": a.mem_T,
+            "chunk": 256})
+    res["ratio_gspo_over_naive"] = res["gspo"]["extra_peak_mb"] / res["naive"]["extra_peak_mb"]
+    res["logits_mb"] = a.mem_T * a.mem_vocab * 4 / 2**20
+    return res
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--prompts", type=int, default=2)
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--response-len", type=int, default=32)
+    p.add_argument("--minibatches", type=int, default=2)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--square", type=int, default=2048, help="also time a square mm (0: no)")
+    p.add_argument("--peak-gflop", type=float, default=2.0, help="work per matmul timing")
+    p.add_argument("--mem-vocab", type=int, default=49152)
+    p.add_argument("--mem-hidden", type=int, default=576)
+    p.add_argument("--mem-T", type=int, default=1024)
+    p.add_argument("--skip", default="", help="comma list of parts to skip: update,memory")
+    p.add_argument("--out", default=None)
+    p.add_argument("--tag", default="")
+    a = p.parse_args(sys.argv[1:] if argv is None else argv)
+    torch.set_num_threads(a.threads)
+    skip = set(filter(None, a.skip.split(",")))
+    data: dict[str, Any] = {"config": vars(a), "machine": machine()}
+    rows = []
+    if "update" not in skip:
+        u = data["update"] = run_update(a)
+        for name in ("plain", "packed"):
+            x = u[name]
+            rows.append(f"| update phase, {name} log-probs | {a.model}, {a.threads} thr | "
+                        f"{fmt(x['s'])} s | {fmt(x['gflops'], 1)} GFLOP/s executed "
+                        f"({fmt(100 * x['frac_of_peak'], 0)}% of {fmt(u['matmul_peak_gflops'], 1)}"
+                        f" peak); {fmt(x['effective_gflops'], 1)} GFLOP/s plain-equivalent |")
+    if "memory" not in skip:
+        m = data["memory"] = run_memory(a)
+        rows.append(f"| log-prob step memory, V={a.mem_vocab} T={a.mem_T} | fwd+bwd | "
+                    f"gspo {fmt(m['gspo']['extra_peak_mb'], 0)} MiB vs naive "
+                    f"{fmt(m['naive']['extra_peak_mb'], 0)} MiB | "
+                    f"ratio {fmt(m['ratio_gspo_over_naive'], 3)} |")
+    name = "update_" + a.model.replace(":", "-").replace("/", "_") + (f"_{a.tag}" if a.tag else "")
+    header = "| measurement | setting | result | detail |\n|---|---|---|---|"
+    write_result(name, data, header, rows, a.out)
+    print("\n".join([header, *rows]))
+    return data
+
+
+if __name__ == "__main__":
+    if not child_main(sys.argv[1:], memory_child):
+        main()

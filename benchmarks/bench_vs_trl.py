@@ -1,0 +1,317 @@
+"""The same GSPO work through gspo's Trainer and through TRL's GRPOTrainer, interleaved A/B.
+
+One "step" is one rollout batch: N = B × G responses sampled (temperature T, top_p 1, top_k 0),
+the π_old log-prob pass, then ``minibatches`` AdamW steps of N / minibatches rows each
+(GSPO, ε 3e-4 / 4e-4, β 0, fp32). TRL is configured for exactly that:
+
+    per_device_train_batch_size = N / minibatches, gradient_accumulation_steps = 1,
+    steps_per_generation = minibatches (one generation feeds that many optimizer steps),
+    num_iterations = 1, importance_sampling_level="sequence", loss_type="grpo",
+    bf16=False, gradient_checkpointing=False (TRL's defaults are True for both),
+    optim="adamw_torch" (the class gspo uses), the chat template's default system prompt.
+
+With gradient_accumulation_steps (1) not a multiple of steps_per_generation (2), TRL runs its
+own π_old log-prob pass, as gspo does (``objective.old_logprobs=recompute``), so the work is
+the same up to gspo's shared prompt prefill in generation and its response-only LM head.
+The arm ``gspo_proposed`` adds the update-path proposals (see :func:`_apply_proposals`).
+
+Each arm runs in its own child process (peak RSS = the child's VmHWM); arms alternate
+A B C, C B A, ... so that load from other processes falls on all. With one thread (the
+default) the primary clock is the process's CPU time, which other load does not inflate;
+wall time is reported too. The prompts ask for long stories, so nearly every response runs to
+max_new_tokens in every arm (token counts are reported).
+
+    HF_HUB_OFFLINE=1 python -m benchmarks.bench_vs_trl --model smollm2-135m-instruct
+    HF_HUB_OFFLINE=1 python -m benchmarks.bench_vs_trl --model tiny:llama --steps 4 --reps 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import (
+    PROMPTS,
+    abba,
+    child_main,
+    fmt,
+    machine,
+    median,
+    now,
+    run_child,
+    write_result,
+)
+
+
+def distinct_words(prompts: list[Any], completions: list[Any], **_: Any) -> list[float]:
+    """Share of distinct words (any cheap reward with variance within a group will do)."""
+    out = []
+    for c in completions:
+        text = c[-1]["content"] if isinstance(c, list) else c  # TRL passes chat messages
+        words = text.split()
+        out.append(len(set(words)) / max(1, len(words)))
+    return out
+
+
+# ----------------------------------------------------------------------------- gspo arm
+def _timed(fn: Any, into: list[tuple[float, float]]) -> Any:
+    """Wrap ``fn`` to append its (wall, CPU) seconds to ``into``; measurement only."""
+    def wrapper(*a: Any, **k: Any) -> Any:
+        w0, c0 = now()
+        out = fn(*a, **k)
+        w1, c1 = now()
+        into.append((w1 - w0, c1 - c0))
+        return out
+
+    return wrapper
+
+
+def _step(wall: float, cpu: float, rollout: tuple[float, float], response_tokens: float,
+          tokens: float, **extra: float) -> dict[str, float]:
+    return {"step_s": wall, "step_cpu_s": cpu, "rollout_s": rollout[0],
+            "rollout_cpu_s": rollout[1], "response_tokens": response_tokens, "tokens": tokens,
+            **extra}
+
+
+def _apply_proposals(trainer: Any) -> None:
+    """The two update-path proposals, patched in for measurement (not what gspo ships today).
+
+    1. Every log-prob pass runs each distinct prompt once (:mod:`gspo.models.packing`).
+    2. With ``objective.old_logprobs=rollout`` the trainer still recomputes π_old (for a gap
+       metric and the entropy); here that pass is skipped and the sampler's fp32 log-probs
+       are used (bench_noise_floor measures them equal to the trainer's to ~1e-6).
+    """
+    import torch
+
+    import gspo.trainer.trainer as trainer_module
+    import gspo.trainer.update as update_module
+    from gspo.models.packing import shared_prefix_logprobs
+
+    update_module.token_logprobs = shared_prefix_logprobs
+    trainer_module.token_logprobs = shared_prefix_logprobs
+
+    def rollout_logprobs(batch: dict[str, Any]) -> tuple[Any, Any, None]:
+        # (log π_old, entropy, MoE routing), the triple Trainer.train_step unpacks
+        return batch["old_logprobs"], torch.zeros_like(batch["old_logprobs"]), None
+
+    trainer.old_logprobs = rollout_logprobs
+
+
+def run_gspo(spec: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    from gspo.config import load_config
+    from gspo.models import load_model
+    from gspo.trainer import Trainer
+
+    torch.set_num_threads(spec["threads"])
+    model, tok = load_model(spec["model"], seed=spec["seed"])
+    n = spec["prompts_per_step"] * spec["group_size"]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "prompts.jsonl"
+        path.write_text("".join(json.dumps({"prompt": p, "answer": ""}) + "\n" for p in PROMPTS))
+        cfg = load_config(None, [
+            f"model={spec['model']}", f"output_dir={tmp}", "run_name=bench", "progress=false",
+            "eval_before=false", f"steps={spec['steps']}", f"seed={spec['seed']}",
+            f"num_threads={spec['threads']}", "task.name=jsonl", f"task.path={path}",
+            "task.eval_size=0", "task.system_prompt=",  # the chat template's default, as TRL
+            f"rollout.prompts_per_step={spec['prompts_per_step']}",
+            f"rollout.group_size={spec['group_size']}",
+            f"rollout.max_new_tokens={spec['max_new_tokens']}",
+            f"rollout.temperature={spec['temperature']}", "rollout.top_p=1.0", "rollout.top_k=0",
+            f"objective.num_minibatches={spec['minibatches']}", "objective.eps_low=3e-4",
+            "objective.eps_high=4e-4", "objective.beta=0.0", f"optim.lr={spec['lr']}",
+            "optim.grad_clip=1.0",
+            *(["objective.old_logprobs=rollout"] if spec["arm"] == "gspo_proposed" else [])])
+        trainer = Trainer(cfg, reward_fns=[distinct_words], model=model, tokenizer=tok).setup()
+        if spec["arm"] == "gspo_proposed":
+            _apply_proposals(trainer)
+        rollout_t: list[tuple[float, float]] = []
+        old_t: list[tuple[float, float]] = []
+        trainer.rollout = _timed(trainer.rollout, rollout_t)
+        trainer.old_logprobs = _timed(trainer.old_logprobs, old_t)
+        steps = []
+        for k in range(spec["steps"]):
+            w0, c0 = now()
+            m = trainer.train_step()
+            w1, c1 = now()
+            trainer.step += 1
+            steps.append(_step(w1 - w0, c1 - c0, rollout_t[k], m["rollout/response_len_mean"] * n,
+                               m["perf/update_tokens_per_s"] * m["time/update_s"],
+                               old_logprobs_s=old_t[k][0], old_logprobs_cpu_s=old_t[k][1]))
+    return {"arm": spec["arm"], "steps": steps}
+
+
+# ----------------------------------------------------------------------------- TRL arm
+def run_trl(spec: dict[str, Any]) -> dict[str, Any]:
+    import torch
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from gspo.models import load_model
+
+    torch.set_num_threads(spec["threads"])
+    model, tok = load_model(spec["model"], seed=spec["seed"])
+    n, mb = spec["prompts_per_step"] * spec["group_size"], spec["minibatches"]
+    ends: list[tuple[float, float]] = []
+
+    class Clock(TrainerCallback):
+        def on_train_begin(self, *a: Any, **k: Any) -> None:
+            ends.append(now())
+
+        def on_step_end(self, *a: Any, **k: Any) -> None:
+            ends.append(now())
+
+    with tempfile.TemporaryDirectory() as tmp:
+        args = GRPOConfig(
+            output_dir=tmp, per_device_train_batch_size=n // mb, gradient_accumulation_steps=1,
+            steps_per_generation=mb, num_iterations=1, num_generations=spec["group_size"],
+            max_completion_length=spec["max_new_tokens"], temperature=spec["temperature"],
+            top_p=1.0, top_k=0, learning_rate=spec["lr"], lr_scheduler_type="constant",
+            warmup_steps=0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999,
+            max_grad_norm=1.0, optim="adamw_torch", beta=0.0, epsilon=3e-4, epsilon_high=4e-4,
+            importance_sampling_level="sequence", loss_type="grpo", scale_rewards="group",
+            max_steps=mb * spec["steps"], bf16=False, gradient_checkpointing=False,
+            use_cpu=True, report_to="none", logging_steps=1, save_strategy="no",
+            disable_tqdm=True, seed=spec["seed"], dataloader_num_workers=0)
+        data = Dataset.from_list([{"prompt": [{"role": "user", "content": p}]} for p in PROMPTS])
+        trainer = GRPOTrainer(model=model, reward_funcs=[distinct_words], args=args,
+                              train_dataset=data, processing_class=tok, callbacks=[Clock()])
+        gen_t: list[tuple[float, float]] = []
+        counts: list[tuple[float, float]] = []
+        score = trainer._generate_and_score_completions
+
+        def counted_score(*a: Any, **k: Any) -> Any:  # measurement only: count real tokens
+            out = score(*a, **k)
+            resp = float(out["completion_mask"].sum())
+            counts.append((resp, resp + float(out["prompt_mask"].sum())))
+            return out
+
+        trainer._generate = _timed(trainer._generate, gen_t)
+        trainer._generate_and_score_completions = counted_score
+        trainer.train()
+    steps = []
+    for k in range(spec["steps"]):
+        (w0, c0), (w1, c1) = ends[k * mb], ends[(k + 1) * mb]
+        steps.append(_step(w1 - w0, c1 - c0, gen_t[k], *counts[k]))
+    return {"arm": "trl", "steps": steps}
+
+
+def run(spec: dict[str, Any]) -> dict[str, Any]:
+    return {"gspo": run_gspo, "gspo_proposed": run_gspo, "trl": run_trl}[spec["arm"]](spec)
+
+
+# ----------------------------------------------------------------------------- driver
+CLOCKS = {"cpu": "_cpu_s", "wall": "_s"}  # key suffix of each clock's times in a step record
+
+
+def summarize(results: list[dict[str, Any]], warmup: int, clock: str) -> dict[str, Any]:
+    """Medians over every measured step of every child of an arm, on one clock."""
+    sfx = CLOCKS[clock]
+    out: dict[str, dict[str, float]] = {}
+    for arm in dict.fromkeys(r["arm"] for r in results):
+        steps = [s for r in results if r["arm"] == arm for s in r["steps"][warmup:]]
+        step = [s["step" + sfx] for s in steps]
+        roll = [s["rollout" + sfx] for s in steps]
+        out[arm] = {
+            "step_s": median(step), "rollout_s": median(roll),
+            "update_s": median([a - b for a, b in zip(step, roll)]),
+            "rollout_tok_s": median([s["response_tokens"] / r for s, r in zip(steps, roll)]),
+            "update_tok_s": median([s["tokens"] / (a - b) for s, a, b in zip(steps, step, roll)]),
+            "response_tokens": median([s["response_tokens"] for s in steps]),
+            "tokens": median([s["tokens"] for s in steps]),
+            "peak_rss_mb": max(r["peak_rss_mb"] for r in results if r["arm"] == arm),
+            "n_steps": len(steps)}
+        if arm.startswith("gspo"):  # its π_old pass (skipped by gspo_proposed)
+            out[arm]["old_logprobs_s"] = median([s["old_logprobs" + sfx] for s in steps])
+    ratio = {}  # per gspo arm: speed-up over TRL (> 1: gspo faster); memory: gspo / TRL
+    t = out.get("trl")
+    for arm, g in out.items():
+        if arm.startswith("gspo") and t:
+            ratio[arm] = {"step": t["step_s"] / g["step_s"],
+                          "rollout_tok_s": g["rollout_tok_s"] / t["rollout_tok_s"],
+                          "update_tok_s": g["update_tok_s"] / t["update_tok_s"],
+                          "peak_rss": g["peak_rss_mb"] / t["peak_rss_mb"],
+                          "paired_step": _paired(results, warmup, "step" + sfx, arm)}
+    return {"arms": out, "gspo_over_trl": ratio}
+
+
+def _paired(results: list[dict[str, Any]], warmup: int, key: str, arm: str) -> list[float]:
+    """TRL/``arm`` step-time ratio of each round (one child of every arm, run back to back)."""
+    n_arms = len({r["arm"] for r in results})
+    ratios = []
+    for i in range(0, len(results), n_arms):
+        t = {r["arm"]: median([s[key] for s in r["steps"][warmup:]])
+             for r in results[i:i + n_arms]}
+        if {arm, "trl"} <= t.keys():
+            ratios.append(t["trl"] / t[arm])
+    return ratios
+
+
+def table(model: str, threads: int, summary: dict[str, Any]) -> tuple[str, list[str]]:
+    header = ("| model | threads | clock | arm | s/step | rollout tok/s | update tok/s "
+              "| peak RSS MiB | tokens/step (response) |\n|---|---|---|---|---|---|---|---|---|")
+    rows = []
+    for clock, sm in summary.items():
+        for arm, s in sm["arms"].items():
+            rows.append(f"| {model} | {threads} | {clock} | {arm} | {fmt(s['step_s'])} | "
+                        f"{fmt(s['rollout_tok_s'], 1)} | {fmt(s['update_tok_s'], 1)} | "
+                        f"{fmt(s['peak_rss_mb'], 0)} | {fmt(s['tokens'], 0)} "
+                        f"({fmt(s['response_tokens'], 0)}) |")
+        for arm, r in sm["gspo_over_trl"].items():
+            rows.append(f"| {model} | {threads} | {clock} | **{arm} vs TRL** | "
+                        f"**{fmt(r['step'])}× faster** | {fmt(r['rollout_tok_s'])}× | "
+                        f"{fmt(r['update_tok_s'])}× | {fmt(r['peak_rss'])}× | |")
+    return header, rows
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--prompts-per-step", type=int, default=2)
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--minibatches", type=int, default=2)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--lr", type=float, default=1e-6)
+    p.add_argument("--steps", type=int, default=3, help="rollout batches per child")
+    p.add_argument("--warmup", type=int, default=1, help="first steps of each child not counted")
+    p.add_argument("--reps", type=int, default=2, help="children per arm (alternating)")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--arms", default="gspo,gspo_proposed,trl",
+                   help="gspo (as shipped), gspo_proposed (update-path proposals), trl")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
+    p.add_argument("--tag", default="", help="suffix of the result file name")
+    a = p.parse_args(argv)
+    spec = {k: getattr(a, k) for k in ("model", "prompts_per_step", "group_size",
+                                       "max_new_tokens", "minibatches", "temperature", "lr",
+                                       "steps", "threads", "seed")}
+    results = []
+    for arm in abba(a.arms.split(","), a.reps):
+        w0 = time.perf_counter()
+        r = run_child("benchmarks.bench_vs_trl", {**spec, "arm": arm})
+        print(f"  {arm}: {[round(s['step_s'], 2) for s in r['steps']]} s/step wall, "
+              f"{[round(s['step_cpu_s'], 2) for s in r['steps']]} CPU "
+              f"({time.perf_counter() - w0:.0f} s with start-up)", flush=True)
+        results.append(r)
+    summary = {clock: summarize(results, a.warmup, clock) for clock in CLOCKS}
+    name = "vs_trl_" + a.model.replace(":", "-").replace("/", "_") + (f"_{a.tag}" if a.tag else "")
+    data = {"config": spec, "warmup": a.warmup, "reps": a.reps, "machine": machine(),
+            "summary": summary, "raw": results}
+    header, rows = table(a.model, a.threads, summary)
+    write_result(name, data, header, rows, a.out)
+    print("\n".join([header, *rows]))
+    return data
+
+
+if __name__ == "__main__":
+    if not child_main(sys.argv[1:], run):
+        main()

@@ -1,0 +1,131 @@
+"""Helpers shared by the benchmark scripts: child processes, peak memory, result files.
+
+Every speed comparison runs its arms in alternating child processes (A B B A ...), so that
+load from other processes on a shared machine falls on both arms alike, and so that each
+arm's peak resident memory (VmHWM) is its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+
+# Prompts that ask for long answers, so that (nearly) every response runs to max_new_tokens and
+# the compared arms do the same number of token steps.
+TOPICS = ["a dragon who learns to cook", "a lighthouse keeper", "a lost robot",
+          "a city under the sea", "a clockmaker's apprentice", "a talking cat",
+          "a mountain village", "a winter festival", "a pirate librarian", "a desert caravan",
+          "a haunted train", "a garden on the moon", "a shy giant", "a forgotten island",
+          "a travelling circus", "a river spirit"]
+PROMPTS = [f"Write a long story about {t}." for t in TOPICS]
+
+
+def now() -> tuple[float, float]:
+    """(wall seconds, CPU seconds of this process).
+
+    On a shared machine the CPU time of a one-thread run is the robust measure: it counts only
+    the cycles the process got, so load from other processes inflates wall time, not this.
+    With several threads it also counts OpenMP spin-waiting, so there it is an upper bound.
+    """
+    return time.perf_counter(), time.process_time()
+
+
+def peak_rss_mb() -> float:
+    """Peak resident set size of this process so far (VmHWM), in MiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def machine() -> dict[str, Any]:
+    """What the numbers were measured on (CPU, cores, load, library versions)."""
+    import torch
+
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+        flags = next(x for x in Path("/proc/cpuinfo").read_text().splitlines()
+                     if x.startswith("flags")).split()
+    except (OSError, StopIteration):
+        flags = []
+    info = {"cpu": cpu, "cores": os.cpu_count(), "load_avg_1m": os.getloadavg()[0],
+            "avx512": any(f.startswith("avx512") for f in flags), "amx": "amx_tile" in flags,
+            "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+            "python": platform.python_version(), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    return info
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def run_child(module: str, spec: dict[str, Any], *, timeout: float = 3600) -> dict[str, Any]:
+    """Run ``python -m module --child '<json spec>'``; the child prints one JSON line last."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+               TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore")
+    cmd = [sys.executable, "-m", module, "--child", json.dumps(spec)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"child {module} {spec.get('arm', '')} failed (rc {proc.returncode}):"
+                           f"\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1])
+
+
+def child_main(argv: list[str], run: Any) -> bool:
+    """If invoked as a child, run ``run(spec)`` and print its JSON result; return True."""
+    if len(argv) >= 2 and argv[0] == "--child":
+        spec = json.loads(argv[1])
+        out = run(spec)
+        out["peak_rss_mb"] = peak_rss_mb()
+        print(json.dumps(out), flush=True)
+        return True
+    return False
+
+
+def abba(arms: list[str], reps: int) -> list[str]:
+    """Arm order for ``reps`` rounds, reversed every other round (A B, B A, A B, ...)."""
+    order: list[str] = []
+    for r in range(reps):
+        order += arms if r % 2 == 0 else arms[::-1]
+    return order
+
+
+def write_result(name: str, data: dict[str, Any], md_header: str, md_rows: list[str],
+                 out_dir: Path | None = None) -> Path:
+    """Write ``<name>.json`` and ``<name>.md`` (a markdown table) under the results folder."""
+    out = Path(out_dir) if out_dir else RESULTS
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}.json"
+    path.write_text(json.dumps(data, indent=2, default=float) + "\n")
+    (out / f"{name}.md").write_text("\n".join([md_header, *md_rows]) + "\n")
+    return path
+
+
+def fmt(x: float, digits: int = 2) -> str:
+    if x != x:  # NaN
+        return "–"
+    return f"{x:.{digits}f}" if abs(x) < 1e4 else f"{x:.3g}"

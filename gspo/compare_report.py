@@ -1,0 +1,158 @@
+"""The report of ``gspo compare``: per-arm statistics over seeds, a markdown table, PNG plots.
+
+Per run (definitions used in the table):
+
+* final reward: mean training reward (``reward/mean``) over the last quarter of the steps;
+* held-out accuracy: greedy accuracy on the task's held-out problems before / after training;
+* clipped tokens: ``objective/clip_frac_tokens`` averaged over all steps (GSPO counts every
+  token of a clipped sequence);
+* routing change: ``moe/routing_change`` averaged over all steps: the share of (response token,
+  MoE layer) whose top-k expert set under π_θ differs from π_old's, measured in every
+  minibatch before its optimizer step (the first minibatch of a batch always measures 0);
+* sequence-ratio spread: ``objective/seq_ratio_std`` averaged over all steps;
+* wall time of the run (rollouts, updates and evaluations).
+
+Each arm's cell is the mean ± sample standard deviation over seeds; plots draw the mean over
+seeds as a line and the min..max over seeds as a shaded band.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import statistics
+from pathlib import Path
+from typing import Any
+
+from gspo.cli.plot import read_metrics
+
+# (summary key, column title)
+COLUMNS: list[tuple[str, str]] = [
+    ("final_reward", "final reward"),
+    ("accuracy_after", "held-out accuracy after"),
+    ("clip_frac_tokens", "clipped-token fraction"),
+    ("routing_change", "routing-change fraction"),
+    ("seq_ratio_std", "sequence-ratio std"),
+    ("wall_s", "wall time / run (s)"),
+]
+_STEP_MEANS = {"clip_frac_tokens": "objective/clip_frac_tokens",
+               "routing_change": "moe/routing_change",
+               "seq_ratio_std": "objective/seq_ratio_std"}
+
+
+def _mean(values: list[float]) -> float:
+    values = [v for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
+    return sum(values) / len(values) if values else math.nan
+
+
+def summarize_run(run_dir: Path) -> dict[str, float]:
+    rows = read_metrics(run_dir)
+    train = [r for r in rows if "reward/mean" in r]
+    done = json.loads((run_dir / "compare.json").read_text())
+    last = train[-max(1, len(train) // 4):]
+    out = {"final_reward": _mean([r["reward/mean"] for r in last]),
+           "first_reward": _mean([r["reward/mean"] for r in train[:max(1, len(train) // 4)]]),
+           "accuracy_before": (done.get("before") or {}).get("accuracy", math.nan),
+           "accuracy_after": (done.get("after") or {}).get("accuracy", math.nan),
+           "wall_s": done["wall_s"], "steps": len(train)}
+    for name, key in _STEP_MEANS.items():
+        out[name] = _mean([r.get(key) for r in train])
+    return out
+
+
+def _stats(values: list[float]) -> dict[str, float]:
+    v = [x for x in values if isinstance(x, (int, float)) and math.isfinite(x)]
+    if not v:
+        return {"mean": math.nan, "sd": math.nan, "min": math.nan, "max": math.nan, "n": 0}
+    sd = statistics.stdev(v) if len(v) > 1 else 0.0
+    return {"mean": sum(v) / len(v), "sd": sd, "min": min(v), "max": max(v), "n": len(v)}
+
+
+def summarize(spec: Any, runs: dict[str, dict[int, Path]],
+              probes: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """Per-run and per-arm (over seeds) statistics, plus the first-update routing probe."""
+    arms = {}
+    for arm in spec.arms:
+        per_seed = {seed: summarize_run(d) for seed, d in runs[arm.name].items()}
+        keys = per_seed[next(iter(per_seed))].keys()
+        arms[arm.name] = {"label": arm.label, "overrides": arm.overrides, "runs": per_seed,
+                          "stats": {k: _stats([r[k] for r in per_seed.values()]) for k in keys}}
+    probe_values = [p for p in probes.values() if p]
+    probe = {}
+    if probe_values:
+        probe = {k: _stats([p[k] for p in probe_values])
+                 for k in ("token_change", "expert_change")}
+        probe["per_seed"] = {str(s): p for s, p in probes.items()}
+    first_cfg = next(iter(next(iter(runs.values())).values())) / "config.yaml"
+    return {"spec": str(spec.path), "seeds": spec.seeds, "arms": arms, "probe": probe,
+            "base_config": first_cfg.read_text(),
+            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg")
+                        else None}}
+
+
+def _fmt(x: float) -> str:
+    if not math.isfinite(x):
+        return "n/a"
+    if x != 0 and abs(x) < 0.01:
+        return f"{x:.1e}"
+    return f"{x:.0f}" if abs(x) >= 100 else f"{x:.3f}"
+
+
+def _cell(s: dict[str, float]) -> str:
+    return f"{_fmt(s['mean'])} ± {_fmt(s['sd'])}" if s["n"] else "n/a"
+
+
+def markdown_table(summary: dict[str, Any]) -> str:
+    head = ["arm", *(title for _, title in COLUMNS)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for arm in summary["arms"].values():
+        cells = [_cell(arm["stats"][key]) for key, _ in COLUMNS]
+        lines.append("| " + " | ".join([arm["label"], *cells]) + " |")
+    return "\n".join(lines)
+
+
+def _per_seed_table(summary: dict[str, Any]) -> str:
+    keys = ["first_reward", "final_reward", "accuracy_before", "accuracy_after",
+            "clip_frac_tokens", "routing_change", "seq_ratio_std", "wall_s"]
+    lines = ["| arm | seed | " + " | ".join(keys) + " |", "|" + "---|" * (len(keys) + 2)]
+    for arm in summary["arms"].values():
+        for seed, r in arm["runs"].items():
+            lines.append(f"| {arm['label']} | {seed} | "
+                         + " | ".join(_fmt(r[k]) for k in keys) + " |")
+    return "\n".join(lines)
+
+
+def _probe_text(probe: dict[str, Any]) -> str:
+    if not probe:
+        return "No routing probe (the policy is not a Mixture-of-Experts model)."
+    t, e = probe["token_change"], probe["expert_change"]
+    return (f"After one optimizer step from the initial policy (one minibatch), "
+            f"{_fmt(e['mean'])} ± {_fmt(e['sd'])} of the experts chosen under π_old were "
+            f"replaced ({_fmt(t['mean'])} ± {_fmt(t['sd'])} of (token, layer) pairs changed "
+            f"their expert set), over {t['n']} seeds.")
+
+
+def write_report(summary: dict[str, Any], runs: dict[str, dict[int, Path]],
+                 out_dir: Path) -> list[Path]:
+    """``results.md``, ``summary.json`` and the PNGs; returns the PNG paths."""
+    from gspo.compare_plots import plot_compare
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    pngs = plot_compare(summary, runs, out_dir)
+    images = "\n".join(f"![{p.stem}]({p.name})" for p in pngs)
+    text = "\n\n".join([
+        "# gspo compare", f"Command: `{summary['command']}`" if summary.get("command") else "",
+        f"Seeds: {summary['seeds']}; total wall time {summary['total_wall_s'] / 60:.1f} min on "
+        f"{summary['machine']['cpus']} CPUs (load average at the end: "
+        f"{summary['machine']['load_average']}).",
+        "Mean ± standard deviation over seeds (definitions: gspo/compare_report.py).",
+        markdown_table(summary), "## Routing drift after one update", _probe_text(summary["probe"]),
+        "## Per seed", _per_seed_table(summary), "## Plots", images,
+        "## Base run config", f"```yaml\n{summary['base_config']}```"])
+    (out_dir / "results.md").write_text(text + "\n")
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    return pngs
+

@@ -1,0 +1,131 @@
+"""Prompt datasets through Hugging Face ``datasets``: local files, folders, Hub names, objects.
+
+Every source ends up as a list of :class:`~gspo.data.tasks.Example` rows served by
+:class:`~gspo.data.tasks.DatasetTask`, which shuffles with the run's seed and resumes where it
+stopped. Problems are reported as a one-line :class:`DataError` naming the source and column.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from gspo.data.datasets import DataError
+from gspo.data.tasks import DatasetTask, Example
+
+# File suffix -> the `datasets` builder that reads it.
+BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+
+
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+
+
+def records_to_examples(records: Iterable[Mapping[str, Any]], *, prompt_field: str = "prompt",
+                        answer_field: str = "answer", source: str = "dataset") -> list[Example]:
+    """Rows (dicts, or a ``datasets.Dataset``) -> Examples; other columns go to the rewards."""
+    columns = getattr(records, "column_names", None)  # a datasets.Dataset: check once, up front
+    if columns is not None:
+        for name in (prompt_field, answer_field):
+            if name not in columns:
+                raise DataError(f"{source}: column '{name}' not found "
+                                f"(columns: {', '.join(columns)})")
+    rows: list[Example] = []
+    for i, row in enumerate(records):
+        if not isinstance(row, Mapping):
+            raise DataError(f"{source}: row {i} is a {type(row).__name__}, expected a mapping")
+        for name in (prompt_field, answer_field):
+            if name not in row:
+                raise DataError(f"{source}: row {i} has no column '{name}' "
+                                f"(columns: {', '.join(map(str, row))})")
+        prompt = row[prompt_field]
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise DataError(f"{source}: row {i}: column '{prompt_field}' must be a non-empty "
+                            "string")
+        extra = {k: v for k, v in row.items() if k not in (prompt_field, answer_field)}
+        rows.append(Example(prompt, str(row[answer_field]), extra))
+    return rows
+
+
+def hold_out(rows: list[Example], eval_size: int, seed: int
+             ) -> tuple[list[Example], list[Example]]:
+    """(train, eval): a seeded ``min(eval_size, len/5)`` rows are held out for evaluation."""
+    order = list(range(len(rows)))
+    random.Random(f"split-{seed}").shuffle(order)
+    n_eval = min(eval_size, len(rows) // 5)
+    return [rows[i] for i in order[n_eval:]], [rows[i] for i in order[:n_eval]]
+
+
+def load_split(path: str, split: str, *, subset: str = "") -> Any:
+    """One split of a local file, a local folder or a Hub dataset, as a ``datasets.Dataset``.
+
+    A single local file has one split, ``train``. A folder uses ``datasets``' file-name
+    conventions (``train.jsonl``, ``test.parquet``, ``data/train-*.csv``, ...).
+    """
+    try:
+        import datasets
+    except ImportError:
+        raise DataError("task.name=dataset needs the `datasets` package: "
+                        "pip install datasets") from None
+    datasets.disable_progress_bars()
+    p = Path(path).expanduser()
+    if p.is_file():
+        builder = BUILDERS.get("".join(p.suffixes[-1:]).lower())
+        if builder is None:
+            raise DataError(f"{p}: unsupported file type (use {', '.join(sorted(BUILDERS))})")
+        if p.stat().st_size == 0:
+            raise DataError(f"{p}: dataset is empty")
+        args: tuple[Any, ...] = (builder,)
+        kwargs: dict[str, Any] = {"data_files": {"train": str(p)}}
+    elif p.is_dir():
+        args, kwargs = (str(p),), {}
+    elif path.startswith((".", "/", "~")) or p.suffix.lower() in BUILDERS:
+        raise DataError(f"dataset not found: {path}")
+    else:
+        args, kwargs = (path, *([subset] if subset else [])), {}
+    try:
+        splits = datasets.load_dataset(*args, **kwargs)
+    except Exception as e:  # offline hub, bad files, unknown names: one line, naming the source
+        if "corresponds to no data" in str(e):  # `datasets`' words for a split without rows
+            raise DataError(f"{path}: split '{split}' is empty") from None
+        hint = ""
+        if not p.exists():
+            hint = " (not a local path; loading from the Hugging Face Hub needs network access)"
+        raise DataError(f"dataset '{path}' cannot be loaded{hint}: {_first_line(e)}") from None
+    if split not in splits:
+        raise DataError(f"dataset '{path}': no split '{split}' "
+                        f"(splits: {', '.join(splits) or 'none'})")
+    return splits[split]
+
+
+def dataset_task(cfg: Any, seed: int) -> DatasetTask:
+    """The task for ``task.name=dataset`` (see :class:`gspo.config.TaskConfig`)."""
+    def examples(split: str) -> list[Example]:
+        rows = records_to_examples(load_split(cfg.path, split, subset=cfg.subset),
+                                   prompt_field=cfg.prompt_field, answer_field=cfg.answer_field,
+                                   source=f"{cfg.path} [{split}]")
+        if not rows:
+            raise DataError(f"{cfg.path}: split '{split}' is empty")
+        return rows
+
+    if cfg.eval_split:
+        return DatasetTask(examples(cfg.split), examples(cfg.eval_split), seed)
+    train, held = hold_out(examples(cfg.split), cfg.eval_size, seed)
+    return DatasetTask(train, held, seed)
+
+
+def task_from_records(train: Any, eval_records: Any, cfg: Any, seed: int) -> DatasetTask:
+    """A task from in-memory rows (``Trainer(train_dataset=...)``): a ``datasets.Dataset`` or a
+    list of dicts with the ``task.prompt_field`` / ``task.answer_field`` columns."""
+    fields = {"prompt_field": cfg.prompt_field, "answer_field": cfg.answer_field}
+    rows = records_to_examples(train, **fields, source="train_dataset")
+    if not rows:
+        raise DataError("train_dataset is empty")
+    if eval_records is not None:
+        return DatasetTask(rows, records_to_examples(eval_records, **fields,
+                                                     source="eval_dataset"), seed)
+    train_rows, held = hold_out(rows, cfg.eval_size, seed)
+    return DatasetTask(train_rows, held, seed)

@@ -1,0 +1,117 @@
+"""LoRA through PEFT: wrap the policy, get reference log-probs with the adapter off, export.
+
+With ``lora.r > 0`` the trainer trains only the adapter. The reference policy π_ref for the
+KL term is the frozen base model, so it costs no second copy of the weights: it is the same
+model run with the adapter disabled (:func:`reference_logprobs`). Checkpoints hold the adapter
+only (``adapter_model.safetensors`` + ``adapter_config.json``); :func:`export_merged` folds it
+into the base weights and writes a folder ``from_pretrained`` can load.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gspo.models.logprobs import token_logprobs
+
+
+def is_peft(model: Any) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)
+
+
+def unwrap(model: Any) -> Any:
+    """The transformers model inside a PEFT wrapper (adapter layers included), else ``model``.
+
+    :func:`gspo.models.logprobs.token_logprobs` needs it: on a ``PeftModel`` its fast path would
+    take the whole causal LM for the backbone.
+    """
+    return model.get_base_model() if is_peft(model) else model
+
+
+def apply_lora(model: Any, cfg: Any, *, adapter_dir: str | Path | None = None) -> Any:
+    """Wrap ``model`` in a PEFT LoRA adapter (:class:`gspo.config.LoRAConfig` ``cfg``); only
+    the adapter is trainable. ``adapter_dir`` resumes a saved adapter instead of a fresh one."""
+    try:
+        from peft import LoraConfig, PeftModel, get_peft_model
+    except ImportError:
+        raise ImportError("lora.r > 0 needs the peft package: pip install peft") from None
+    if is_peft(model):
+        raise ValueError("the model already carries a PEFT adapter; set lora.r=0 to train it")
+    if adapter_dir is not None:
+        return PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=True)
+    targets = cfg.target_modules
+    lora = LoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
+                      target_modules="all-linear" if targets == ["all-linear"] else list(targets))
+    try:
+        return get_peft_model(model, lora)
+    except ValueError as e:  # e.g. no module matches target_modules
+        from gspo.models.loading import ModelError
+
+        raise ModelError(f"lora: {str(e).strip().splitlines()[0]}") from None
+
+
+@torch.no_grad()
+def reference_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                       target_mask: torch.Tensor, *, temperature: float = 1.0,
+                       chunk: int = 256) -> torch.Tensor:
+    """log π_ref [B, T] (fp32) of a LoRA policy: the base model, i.e. the adapter disabled.
+
+    Same arguments as :func:`gspo.models.logprobs.token_logprobs`; no gradient.
+    """
+    was_training = model.training
+    model.eval()
+    try:
+        with model.disable_adapter():
+            lp, _ = token_logprobs(unwrap(model), input_ids, attention_mask, target_mask,
+                                   temperature=temperature, chunk=chunk)
+    finally:
+        model.train(was_training)
+    return lp
+
+
+def _base_of(ckpt: Path, cfg_model: str) -> str:
+    """The base model an adapter was trained on: the folder PEFT recorded, else the config's."""
+    recorded = json.loads((ckpt / "adapter_config.json").read_text()).get(
+        "base_model_name_or_path")
+    if recorded and (Path(recorded) / "config.json").is_file():
+        return str(recorded)
+    return cfg_model
+
+
+def export_merged(run_dir: str | Path, out: str | Path, *, base_model: str = "") -> Path:
+    """Merge the latest checkpoint's LoRA adapter into its base model and save it to ``out``.
+
+    ``base_model`` (a config ``model`` value) overrides the base recorded in the adapter or
+    the run's ``config.yaml``; needed when the run was given an in-memory model. A checkpoint
+    without an adapter (full fine-tuning) is copied as it is. Returns ``out``.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from gspo.config import load_config
+    from gspo.models.loading import load_model
+    from gspo.trainer.checkpoint import latest_checkpoint
+
+    run, out = Path(run_dir), Path(out)
+    ckpt = latest_checkpoint(run / "checkpoints")
+    if ckpt is None:
+        raise FileNotFoundError(f"export: no complete checkpoint in {run}")
+    cfg = load_config(run / "config.yaml")
+    dtype = getattr(torch, cfg.dtype)
+    if (ckpt / "adapter_config.json").is_file():
+        from peft import PeftModel
+
+        base, _ = load_model(base_model or _base_of(ckpt, cfg.model), dtype=dtype, seed=cfg.seed)
+        model = PeftModel.from_pretrained(base, str(ckpt)).merge_and_unload()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    AutoTokenizer.from_pretrained(ckpt).save_pretrained(out)
+    return out

@@ -1,0 +1,108 @@
+"""Per-token log-probs with each distinct prompt run once: a faster :func:`token_logprobs`.
+
+The G responses of a group share their prompt, and in a GSPO batch the prompt is often as long
+as the response, so a plain ``[N, T]`` pass spends about half its FLOPs (forward and backward)
+recomputing the same prompt states G times. Here every distinct prompt prefix goes through
+the backbone once; its key/value cache is then indexed out to the rows that share it, and the
+responses run on top of it. Under autograd the gradient flows back through the cache into the
+one prompt pass, so values *and* gradients equal the plain path up to fp32 rounding (see
+tests/models/test_packing.py).
+
+Same signature and outputs as :func:`gspo.models.logprobs.token_logprobs`; it falls back to it
+for models whose head is not a plain linear layer, with activation checkpointing on (which
+disables the cache), or when no prompt is shared.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from gspo.models.logprobs import _chunk_logprobs, _split, token_logprobs
+
+
+def _prefixes(input_ids: torch.Tensor,
+              target_mask: torch.Tensor) -> tuple[list[list[int]], torch.Tensor, torch.Tensor]:
+    """Distinct prompts (the tokens before each row's first target), row -> prompt index, starts."""
+    starts = target_mask.int().argmax(-1)  # first target position (rows with targets only)
+    ids = input_ids.tolist()
+    seen: dict[tuple[int, ...], int] = {}
+    owner = []
+    for row, s in enumerate(starts.tolist()):
+        owner.append(seen.setdefault(tuple(ids[row][:s]), len(seen)))
+    return [list(k) for k in seen], torch.tensor(owner, device=input_ids.device), starts
+
+
+def shared_prefix_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                           target_mask: torch.Tensor, *, temperature: float = 1.0,
+                           chunk: int = 256,
+                           with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """log π(x_t | x_<t) / entropy where ``target_mask`` is 1, each distinct prompt run once.
+
+    Args:
+        input_ids, attention_mask, target_mask: [B, T], right-padded (as built by
+            :func:`gspo.rollout.pad_batch`); a row's prompt is every token before its first
+            target, and its targets lie between that token and its last real token.
+        temperature, chunk, with_entropy: as in :func:`token_logprobs`.
+    Returns:
+        ``(logprobs, entropy)``, both fp32 [B, T], zero off target; entropy carries no gradient.
+    """
+    split = _split(model)
+    lengths = attention_mask.sum(-1)
+    has_target = target_mask.bool().any(-1)
+    backbone = split[0] if split is not None else None
+    if (split is None or getattr(backbone, "gradient_checkpointing", False)
+            or not bool(has_target.all())):
+        return token_logprobs(model, input_ids, attention_mask, target_mask,
+                              temperature=temperature, chunk=chunk, with_entropy=with_entropy)
+    prompts, owner, starts = _prefixes(input_ids, target_mask)
+    if len(prompts) == input_ids.shape[0] or min(len(p) for p in prompts) == 0:
+        return token_logprobs(model, input_ids, attention_mask, target_mask,
+                              temperature=temperature, chunk=chunk, with_entropy=with_entropy)
+    head = split[1]
+    # 1. Each distinct prompt once, left-padded so that every prompt ends at the same column.
+    width, dev = max(len(p) for p in prompts), input_ids.device
+    p_ids = torch.zeros((len(prompts), width), dtype=torch.long, device=dev)
+    p_mask = torch.zeros((len(prompts), width), dtype=torch.long, device=dev)
+    for i, p in enumerate(prompts):
+        p_ids[i, width - len(p):] = torch.tensor(p, device=dev)
+        p_mask[i, width - len(p):] = 1
+    out = backbone(input_ids=p_ids, attention_mask=p_mask,
+                   position_ids=(p_mask.cumsum(-1) - 1).clamp(min=0), use_cache=True)
+    cache, last = out.cache, out.last_hidden_state[:, -1]
+    cache.batch_select_indices(owner)  # row i reads prompt owner[i]'s keys and values
+    # 2. The responses on top: right-padded, positions continuing each row's prompt.
+    resp_len = lengths - starts
+    r_width = int(resp_len.max())
+    cols = torch.arange(r_width, device=dev)
+    valid = cols[None] < resp_len[:, None]
+    src = (starts[:, None] + cols[None]).clamp(max=input_ids.shape[1] - 1)
+    r_ids = torch.where(valid, input_ids.gather(1, src), 0)
+    mask = torch.cat([p_mask[owner], valid.long()], dim=1)
+    hidden = backbone(input_ids=r_ids, attention_mask=mask,
+                      position_ids=starts[:, None] + cols[None], cache=cache,
+                      use_cache=True).last_hidden_state
+    # 3. Response token j is predicted by the state before it: the prompt's last one for j = 0.
+    before = torch.cat([last[owner][:, None], hidden[:, :-1]], dim=1)
+    targets = valid & target_mask.bool().gather(1, src)
+    rows, j = targets.nonzero(as_tuple=True)
+    picked, labels = before[rows, j], r_ids[rows, j]
+    weight, bias = head.weight, getattr(head, "bias", None)
+    out_lp, out_ent = [], []
+    for s in range(0, picked.shape[0], chunk):
+        h, y = picked[s:s + chunk], labels[s:s + chunk]
+        if torch.is_grad_enabled():
+            lp, ent = checkpoint(_chunk_logprobs, h, weight, bias, y, temperature, with_entropy,
+                                 use_reentrant=False)
+        else:
+            lp, ent = _chunk_logprobs(h, weight, bias, y, temperature, with_entropy)
+        out_lp.append(lp)
+        out_ent.append(ent)
+    cols_out = starts[rows] + j
+    logprobs = torch.zeros(target_mask.shape, dtype=torch.float32, device=dev)
+    entropy = torch.zeros(target_mask.shape, dtype=torch.float32, device=dev)
+    logprobs = logprobs.index_put((rows, cols_out), torch.cat(out_lp))
+    entropy = entropy.index_put((rows, cols_out), torch.cat(out_ent).detach())
+    return logprobs, entropy

@@ -1,0 +1,321 @@
+"""Multi-process training on torch.distributed: one process per device, started by torchrun.
+
+One RL step on W ranks (docs/scaling.md draws it):
+
+* rollout: every rank draws the same B prompts (same seed, same data state) and keeps a
+  contiguous share of them with all their G samples, so group-normalised advantages need no
+  communication; sampling is seeded per (seed, step, prompt index), not per rank;
+* rewards: each rank scores its own rows, then the rewards are all-gathered, so batch-scaled
+  advantages, reward metrics and the unscorable check see the global batch on every rank;
+* update: every rank walks the same minibatches of the *global* rollout batch and computes
+  the rows of each that it holds; each scales its loss so that, after the DDP / FSDP2 gradient
+  average, the optimised objective is the mean over the global minibatch's rows (see
+  :func:`gspo.trainer.update.policy_update`);
+* metrics: sums and counts are all-reduced, so means (clip fractions, KL, ...) are global.
+
+``strategy`` ``ddp`` replicates the policy; ``fsdp2`` shards parameters, gradients and optimizer
+state (``fully_shard`` on every decoder layer and on the whole model) and gathers the full
+weights for generation only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as tdist
+
+from gspo.config import ConfigError
+
+_OPS = {"sum": tdist.ReduceOp.SUM, "max": tdist.ReduceOp.MAX, "min": tdist.ReduceOp.MIN}
+
+
+@dataclass
+class Dist:
+    """This process's place in the job and the collectives the trainer uses.
+
+    With ``world_size == 1`` (a plain ``gspo train``) every method is the identity, so the
+    single-process code path is unchanged.
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    strategy: str = "none"  # "none" (one process), "ddp" or "fsdp2"
+    engine: Any = None  # what the training forward is called through: DDP wrapper / FSDP root
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the only rank that writes the run folder, logs and checkpoints."""
+        return self.rank == 0
+
+    def shard(self, n: int) -> tuple[int, int]:
+        """``[lo, hi)``: this rank's contiguous share of ``n`` items (the first ``n % W`` ranks
+        get one more), e.g. the step's prompts."""
+        base, extra = divmod(n, self.world_size)
+        lo = self.rank * base + min(self.rank, extra)
+        return lo, lo + base + (self.rank < extra)
+
+    # ------------------------------------------------------------------ collectives
+    def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """``op`` ("sum", "max", "min") over ranks of a tensor of the same shape on every rank;
+        returns a new tensor on ``t``'s device."""
+        if not self.enabled:
+            return t
+        x = t.detach().to(self.device, copy=True)
+        tdist.all_reduce(x, op=_OPS[op])
+        return x.to(t.device)
+
+    def gather(self, t: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Concatenate every rank's 1-D ``t`` in rank order (lengths may differ); also return
+        where this rank's part starts in the result."""
+        if not self.enabled:
+            return t, 0
+        n = torch.tensor([t.numel()], device=self.device)
+        sizes = [torch.zeros_like(n) for _ in range(self.world_size)]
+        tdist.all_gather(sizes, n)
+        counts = [int(s) for s in sizes]
+        buf = torch.zeros(max(counts), dtype=t.dtype, device=self.device)
+        buf[: t.numel()] = t.to(self.device)
+        parts = [torch.empty_like(buf) for _ in range(self.world_size)]
+        tdist.all_gather(parts, buf)
+        out = torch.cat([p[:c] for p, c in zip(parts, counts)]).to(t.device)
+        return out, sum(counts[: self.rank])
+
+    def barrier(self) -> None:
+        if self.enabled:
+            tdist.barrier()
+
+    # ------------------------------------------------------------------ the policy
+    def forward(self, model: Any, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn(model, *args, **kwargs)``, run as the policy's forward call.
+
+        DDP prepares its gradient all-reduce, and FSDP2 gathers the parameters that belong to
+        the whole model (embeddings, final norm, output layer) and registers their
+        reduce-scatter, in hooks around the wrapped module's call. gspo's log-prob code calls
+        the backbone and the output layer's weight directly, so it must run *inside* that call.
+        """
+        if self.engine is None:
+            return fn(model, *args, **kwargs)
+        return run_as_forward(self.engine, model, fn, *args, **kwargs)
+
+    @contextlib.contextmanager
+    def full_weights(self, model: Any) -> Iterator[None]:
+        """FSDP2: gather every parameter once and keep it gathered inside the block.
+
+        Generation runs a different number of forward calls on each rank (their responses
+        end at different lengths); with per-layer all-gathers those collectives would not
+        match. A no-op for DDP and a single process.
+        """
+        if self.strategy != "fsdp2" or not self.enabled:
+            yield
+            return
+        from torch.distributed.fsdp import FSDPModule
+
+        modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        model.set_reshard_after_forward(False)
+        for m in modules:
+            m.unshard()
+        try:
+            yield
+        finally:
+            for m in modules:
+                m.reshard()
+            model.set_reshard_after_forward(True)  # layers: free their weights after forward
+            model.set_reshard_after_forward(False, recurse=False)  # the root: FSDP's default
+
+
+def run_as_forward(engine: Any, model: Any, fn: Callable[..., Any], *args: Any,
+                   **kwargs: Any) -> Any:
+    """Call ``engine`` (``model`` itself, or a DDP wrapper around it) with ``model.forward``
+    replaced by ``fn(model, ...)`` for this one call, so that the wrapper's hooks run around
+    ``fn``. Nested ``model(...)`` calls inside ``fn`` reach the real forward."""
+
+    def forward(*a: Any, **k: Any) -> Any:
+        model.__dict__.pop("forward", None)
+        return fn(model, *a, **k)
+
+    model.forward = forward
+    try:
+        return engine(*args, **kwargs)
+    finally:
+        model.__dict__.pop("forward", None)
+
+
+# ---------------------------------------------------------------------- setup and teardown
+def init_from_env(strategy: str) -> Dist:
+    """Join the process group that torchrun's variables describe (``WORLD_SIZE``, ``RANK``,
+    ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT``): NCCL when CUDA is available, else gloo.
+    A process started without them (``WORLD_SIZE`` unset or 1) gets the one-process Dist."""
+    if not tdist.is_available():
+        return Dist()
+    if not tdist.is_initialized():
+        if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+            return Dist()
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        tdist.init_process_group(backend)
+    world = tdist.get_world_size()
+    if world == 1:
+        return Dist()
+    local = int(os.environ.get("LOCAL_RANK", tdist.get_rank()))
+    device = torch.device("cpu")
+    if tdist.get_backend() == "nccl":
+        device = torch.device("cuda", local)
+        torch.cuda.set_device(device)
+    return Dist(rank=tdist.get_rank(), world_size=world, local_rank=local, device=device,
+                strategy=strategy)
+
+
+def decoder_layers(model: Any) -> list[torch.nn.Module]:
+    """The repeated blocks to shard one by one: modules whose class the model lists in
+    ``_no_split_modules`` (every Hugging Face causal LM does), outermost ones only."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    names = set(getattr(base, "_no_split_modules", None) or [])
+    layers: list[torch.nn.Module] = []
+    for m in model.modules():
+        if type(m).__name__ in names and not any(m in set(x.modules()) for x in layers):
+            layers.append(m)
+    if not layers:
+        raise ConfigError(f"dist.strategy=fsdp2: found no decoder layers in {type(base).__name__}"
+                          " (no _no_split_modules); use dist.strategy=ddp")
+    return layers
+
+
+def wrap(model: Any, d: Dist) -> Any:
+    """Apply ``d.strategy`` to ``model`` (in place for FSDP2); returns the engine to call."""
+    if d.strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = [d.local_rank] if d.device.type == "cuda" else None
+        # No buffer broadcast: generation calls the inner model a different number of times
+        # on each rank, and the only buffers (rotary tables) are equal on every rank anyway.
+        return DistributedDataParallel(model, device_ids=ids, forward_sync_buffers=False)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(d.device.type, (d.world_size,))
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)  # the root: embeddings, final norm, output layer
+    return model
+
+
+def _check(cfg: Any, d: Dist) -> None:
+    if cfg.rollout.prompts_per_step < d.world_size:
+        raise ConfigError(f"rollout.prompts_per_step ({cfg.rollout.prompts_per_step}) must be "
+                          f">= the number of processes ({d.world_size}): each rank samples "
+                          "whole groups")
+    if cfg.rollout.engine != "hf":
+        raise ConfigError(f"rollout.engine={cfg.rollout.engine} runs in one process only for "
+                          "now; use rollout.engine=hf under torchrun")
+
+
+def prepare(trainer: Any) -> Dist:
+    """The setup hook: join the job and wrap the policy for ``cfg.dist.strategy``.
+
+    Runs after the policy is final (LoRA, activation checkpointing, reference copy) and
+    before the optimizer is built, because FSDP2 replaces the parameters with sharded ones.
+    """
+    d = init_from_env(trainer.cfg.dist.strategy)
+    if not d.enabled:
+        return d
+    _check(trainer.cfg, d)
+    trainer.model.to(d.device)
+    if getattr(trainer, "ref_model", None) is not None:
+        trainer.ref_model.to(d.device)
+    d.engine = wrap(trainer.model, d)
+    return d
+
+
+def shutdown(trainer: Any = None, *, barrier: bool = True) -> None:
+    """Leave the process group cleanly. The policy and optimizer are dropped and collected
+    first: FSDP2 can abort at exit ("terminate called ...") when they outlive the group.
+    ``barrier=False`` after an error: the other ranks may be waiting in another collective."""
+    if trainer is not None:
+        for name in ("model", "ref_model", "optimizer", "scheduler", "dist"):
+            if hasattr(trainer, name):
+                setattr(trainer, name, None)
+    gc.collect()
+    if tdist.is_available() and tdist.is_initialized():
+        if barrier:
+            tdist.barrier()
+        tdist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------- checkpoints
+def full_model_state(model: Any, d: Dist) -> dict[str, torch.Tensor] | None:
+    """Full CPU state dict for ``save_pretrained(state_dict=...)``: a collective under FSDP2
+    (call it on every rank; rank 0 gets the tensors); ``None`` (use the module's own) else."""
+    if d.strategy != "fsdp2" or not d.enabled:
+        return None
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                cpu_offload=True))
+
+
+def optimizer_state(model: Any, optimizer: Any, d: Dist) -> dict[str, Any]:
+    """The optimizer state to write into ``optimizer.pt``: ``optimizer.state_dict()``, or under
+    FSDP2 the full, parameter-name-keyed state (a collective; complete on rank 0)."""
+    if d.strategy != "fsdp2" or not d.enabled:
+        return optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+    )
+
+    return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(
+        full_state_dict=True, cpu_offload=True))
+
+
+def load_optimizer_state(model: Any, optimizer: Any, state: dict[str, Any], d: Dist) -> None:
+    """Inverse of :func:`optimizer_state`; a full state from any world size loads into any."""
+    if d.strategy != "fsdp2" or not d.enabled:
+        optimizer.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_optimizer_state_dict,
+    )
+
+    set_optimizer_state_dict(model, optimizer, state,
+                             options=StateDictOptions(full_state_dict=True))
+
+
+def save_sharded(path: str | Path, model: Any, optimizer: Any) -> None:
+    """Every rank writes its own shards of weights and optimizer state with
+    ``torch.distributed.checkpoint`` (no full copy in any one process)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(path))
+
+
+def load_sharded(path: str | Path, model: Any, optimizer: Any) -> None:
+    """Load a :func:`save_sharded` checkpoint; the world size and strategy may differ from the
+    run that wrote it (DCP reshards on load)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optimizer": optim_sd}
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optimizer"])
+
+
+__all__ = ["Dist", "decoder_layers", "full_model_state", "init_from_env",
+           "load_optimizer_state", "load_sharded", "optimizer_state", "prepare",
+           "run_as_forward", "save_sharded", "shutdown", "wrap"]

@@ -1,0 +1,78 @@
+"""Smoke runs of the benchmark scripts at tiny scale (the numbers themselves are not checked).
+
+The fast lane covers every gspo-side path in-process; the TRL arm and the TRL objective
+comparison import TRL (slow to import, an optional extra) and run in the slow lane.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # the benchmarks folder is not an installed package
+    sys.path.insert(0, str(ROOT))
+
+TINY = {"model": "tiny:llama", "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 4,
+        "minibatches": 2, "temperature": 1.0, "lr": 1e-3, "steps": 2, "threads": 1, "seed": 0}
+
+
+def test_rollout_benchmark_writes_results(tmp_path):
+    from benchmarks import bench_rollout
+
+    data = bench_rollout.main(["--model", "tiny:llama", "--reps", "1", "--group-size", "2",
+                               "--max-new-tokens", "4", "--greedy-prompts", "3",
+                               "--out", str(tmp_path)])
+    assert data["greedy_check"]["all_equal"]
+    assert json.loads((tmp_path / "rollout_tiny-llama.json").read_text())["summary"]
+    assert (tmp_path / "rollout_tiny-llama.md").read_text().count("|") > 10
+
+
+def test_gspo_arms_and_summary():
+    from benchmarks import bench_vs_trl
+
+    results = []
+    for arm in ("gspo", "gspo_proposed"):
+        r = bench_vs_trl.run({**TINY, "arm": arm})
+        r["peak_rss_mb"] = 1.0
+        assert len(r["steps"]) == 2 and all(s["step_cpu_s"] > 0 for s in r["steps"])
+        results.append(r)
+    summary = bench_vs_trl.summarize(results, warmup=1, clock="cpu")
+    assert set(summary["arms"]) == {"gspo", "gspo_proposed"}
+    assert summary["arms"]["gspo_proposed"]["tokens"] > 0
+    header, rows = bench_vs_trl.table("tiny:llama", 1, {"cpu": summary})
+    assert len(rows) == 2 and header.startswith("|")
+
+
+def test_update_benchmark_and_memory_step(tmp_path):
+    from benchmarks import bench_update
+
+    data = bench_update.main(["--model", "tiny:llama", "--reps", "1", "--group-size", "2",
+                              "--response-len", "4", "--skip", "memory", "--square", "0",
+                              "--peak-gflop", "0.05", "--out", str(tmp_path)])
+    u = data["update"]
+    assert u["plain"]["gflop"] > u["packed"]["gflop"] > 0  # packing executes fewer FLOPs
+    for variant in ("gspo", "naive"):
+        m = bench_update.memory_child({"variant": variant, "vocab": 512, "hidden": 32, "T": 64,
+                                       "chunk": 16})
+        assert m["extra_peak_mb"] >= 0 and m["value"] < 0
+
+
+def test_noise_floor_benchmark(tmp_path):
+    from benchmarks import bench_noise_floor
+
+    data = bench_noise_floor.main(["--model", "tiny:llama", "--reps", "1", "--group-size", "2",
+                                   "--max-new-tokens", "4", "--out", str(tmp_path)])
+    assert data["results"]["fp32"]["worst_gap"] < 3e-5
+
+
+@pytest.mark.slow
+def test_trl_arm_and_objective_equivalence(tmp_path):
+    pytest.importorskip("trl")
+    from benchmarks import bench_objective, bench_vs_trl
+
+    r = bench_vs_trl.run({**TINY, "arm": "trl"})
+    assert len(r["steps"]) == 2 and r["steps"][0]["response_tokens"] > 0
+    data = bench_objective.main(["--cases", "2", "--out", str(tmp_path)])
+    assert data["summary"]["all rows non-empty"]["equal_to_1e-5"]

@@ -1,0 +1,63 @@
+"""`gspo plot`: two fake runs -> one valid PNG per panel group that has data."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gspo.cli import main
+from gspo.cli.plot import plot_runs, read_metrics
+
+pytest.importorskip("matplotlib")
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+# Five of the eight panel groups (each figure costs ~0.5 s of CPU): the reward group with a
+# per-function panel, evaluation markers, the ratio band, an all-null metric, one a run lacks.
+KEYS = ("reward/mean", "reward/unscorable_frac", "reward/numeric_match", "eval/accuracy",
+        "objective/seq_ratio_min", "objective/seq_ratio_max", "objective/seq_ratio_mean",
+        "objective/approx_kl", "moe/routing_change")
+
+
+def fake_run(folder, shift: float, keys: tuple[str, ...] = ()) -> object:
+    """metrics.jsonl with one metric per panel group (one subplot per figure keeps it fast)."""
+    folder.mkdir(parents=True)
+    rows: list[dict] = [{"step": 0, "eval/accuracy": 0.1 + shift}]
+    for step in range(1, 9):
+        row = {
+            "step": step, "reward/mean": 0.1 * step + shift, "reward/unscorable_frac": 0.0,
+            "reward/numeric_match": 0.1 * step, "objective/clip_frac_seqs": 0.01 * step,
+            "objective/seq_ratio_min": 1 - 1e-4 * step, "objective/seq_ratio_max": 1 + 2e-4 * step,
+            "objective/seq_ratio_mean": 1.0, "rollout/response_len_mean": 10 + step,
+            "train/entropy": 1.5 - 0.1 * step, "moe/routing_change": 0.05,
+            "objective/approx_kl": None,  # a non-finite value is logged as null
+        }
+        rows.append(row)
+    rows.append({"step": 8, "eval/accuracy": 0.5 + shift})
+    rows = [{k: v for k, v in r.items() if not keys or k in keys or k == "step"} for r in rows]
+    rows = [r for r in rows if len(r) > 1]
+    text = "".join(json.dumps(r) + "\n" for r in rows) + '{"step": 9, "rew'  # torn last line
+    (folder / "metrics.jsonl").write_text(text)
+    return folder
+
+
+def test_two_runs_give_valid_pngs(tmp_path):
+    a = fake_run(tmp_path / "gspo", 0.0, keys=KEYS)
+    b = fake_run(tmp_path / "grpo", 0.05, keys=KEYS[:-1])  # a dense run: no routing metric
+    assert len(read_metrics(a)) == 10
+    paths = plot_runs([a, b], tmp_path / "plots")
+    assert [p.stem for p in paths] == ["reward", "eval", "seq_ratio", "divergence", "routing"]
+    for p in paths:
+        data = p.read_bytes()
+        assert data[:8] == PNG_MAGIC and len(data) > 1024, p
+        width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+        assert width >= 400 and height >= 300, (p, width, height)
+
+
+def test_cli_plot(tmp_path, capsys):
+    run = fake_run(tmp_path / "only", 0.0, keys=("reward/mean", "train/entropy"))
+    assert main(["plot", str(run)]) == 0
+    printed = capsys.readouterr().out.split()
+    assert printed and all(p.startswith(str(run / "plots")) for p in printed)
+    assert [p.rsplit("/", 1)[1] for p in printed] == ["reward.png", "entropy.png"]
+    assert main(["plot", str(tmp_path / "missing")]) == 2
+    assert "no metrics.jsonl" in capsys.readouterr().err

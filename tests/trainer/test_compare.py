@@ -1,0 +1,133 @@
+"""``gspo compare``: the comparison file's validation, and a quick run end to end."""
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gspo.cli import main
+from gspo.compare import expert_change, is_compare_file, load_spec
+from gspo.config import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+SPEC = ROOT / "configs" / "moe" / "compare.yaml"
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def write(tmp_path: Path, data) -> Path:
+    p = tmp_path / "arms.yaml"
+    p.write_text(data if isinstance(data, str) else yaml.safe_dump(data))
+    return p
+
+
+def good(**changes):
+    spec = {"seeds": [0], "arms": {"a": {"label": "A", "overrides": ["objective.name=grpo"]}}}
+    spec.update(changes)
+    return spec
+
+
+def test_shipped_comparison_loads_with_the_paper_arms():
+    assert is_compare_file(SPEC) and not is_compare_file(ROOT / "configs" / "moe" /
+                                                         "tiny_moe.yaml")
+    spec = load_spec(SPEC)
+    assert [a.name for a in spec.arms][:4] == ["gspo", "grpo_r2", "grpo", "gspo_token"]
+    assert len(spec.seeds) >= 3
+    cfgs = {a.name: spec.config(a, 0, "runs") for a in spec.arms}
+    assert all(c.objective.num_minibatches == 4 for c in cfgs.values())
+    assert cfgs["grpo_r2"].moe.routing_replay == "r2" and cfgs["grpo"].moe.routing_replay == "off"
+    assert (cfgs["gspo"].objective.eps_low, cfgs["gspo"].objective.eps_high) == (3e-4, 4e-4)
+    assert (cfgs["grpo"].objective.eps_low, cfgs["grpo"].objective.eps_high) == (0.2, 0.27)
+    quick = load_spec(SPEC, quick=True)
+    assert quick.seeds == [0, 1] and quick.config(quick.arms[0], 0, "r").steps == 2
+
+
+@pytest.mark.parametrize("data, match", [
+    ("arms: [unclosed", "not valid YAML"),
+    ("- a\n- b\n", "expected a mapping"),
+    (good(seed=[0]), "unknown key 'seed'"),
+    ({"arms": {"a": {}}}, "missing 'seeds'"),
+    (good(seeds=[]), "seeds: expected a non-empty list"),
+    (good(seeds=[1, 1]), "seeds: expected a non-empty list of distinct"),
+    (good(arms={}), "arms: expected a non-empty mapping"),
+    (good(arms={"a b": {}}), "arm name 'a b'"),
+    (good(arms={"a": {"overides": []}}), "arms.a: unknown key 'overides'"),
+    (good(arms={"a": {"overrides": "objective.name=grpo"}}), "expected a list of key=value"),
+    (good(arms={"a": {"overrides": ["objective.name"]}}), "'objective.name' is not key=value"),
+    (good(arms={"a": {"overrides": ["objective.eps=1"]}}), "arm 'a': unknown config key"),
+    (good(arms={"a": {"overrides": ["objective.eps\nx=1"]}}), "arm 'a': unknown config key"),
+    (good(base="missing.yaml"), "base: file not found"),
+    (good(quick={"steps": 2}), "quick: unknown key 'steps'"),
+])
+def test_bad_comparison_file_is_a_one_line_config_error(tmp_path, capsys, data, match):
+    path = write(tmp_path, data)
+    with pytest.raises(ConfigError, match=match) as err:
+        load_spec(path)
+    assert len(str(err.value).splitlines()) == 1
+    runs = tmp_path / "runs"
+    assert main(["compare", str(path), "--runs", str(runs), "--out", str(tmp_path / "o")]) == 2
+    _, errs = capsys.readouterr()
+    assert len(errs.splitlines()) == 1 and errs.startswith("gspo compare: error: "), errs
+    assert not runs.exists()
+
+
+def test_unknown_arm_or_bad_seeds_on_the_command_line(tmp_path, capsys):
+    assert main(["compare", str(SPEC), "--arms", "gspo,nope", "--runs", str(tmp_path)]) == 2
+    assert "no arm 'nope'" in capsys.readouterr().err
+    assert main(["compare", str(SPEC), "--seeds", "0,x", "--runs", str(tmp_path)]) == 2
+    assert "--seeds" in capsys.readouterr().err
+    assert main(["validate", str(SPEC)]) == 0
+
+
+def test_expert_change_counts_replaced_experts():
+    import torch
+
+    old = [torch.tensor([[0, 1], [2, 3], [4, 5]])]
+    new = [torch.tensor([[1, 0], [2, 7], [6, 7]])]  # same set; one replaced; both replaced
+    assert torch.allclose(expert_change(old, new, torch.ones(3)), torch.tensor([0.5]))
+    assert torch.allclose(expert_change(old, new, torch.tensor([1.0, 1.0, 0.0])),
+                          torch.tensor([0.25]))
+
+
+def _quick(tmp_path, *extra):
+    runs, out = tmp_path / "runs", tmp_path / "out"
+    code = main(["compare", str(SPEC), "--quick", "--runs", str(runs), "--out", str(out), *extra])
+    assert code == 0
+    return runs, out
+
+
+@pytest.mark.slow
+def test_quick_comparison_runs_every_arm_and_writes_table_and_plots(tmp_path, capsys):
+    runs, out = _quick(tmp_path)
+    spec = load_spec(SPEC, quick=True)
+    table = (out / "results.md").read_text()
+    for arm in spec.arms:
+        assert arm.label in table
+        for seed in spec.seeds:
+            assert (runs / f"{arm.name}_s{seed}" / "compare.json").is_file()
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary["arms"]) == {a.name for a in spec.arms}
+    stats = summary["arms"]["grpo_r2"]["stats"]
+    assert stats["final_reward"]["n"] == 2 and stats["routing_change"]["n"] == 2
+    assert set(summary["probe"]) >= {"token_change", "expert_change"}
+    pngs = {p.name for p in out.glob("*.png")}
+    assert pngs >= {"reward.png", "accuracy.png", "clipping.png", "routing.png", "seq_ratio.png"}
+    for name in pngs:
+        assert (out / name).read_bytes()[:8] == PNG
+        assert f"]({name})" in table
+    # a second call reuses every finished run
+    capsys.readouterr()
+    _quick(tmp_path)
+    assert capsys.readouterr().out.count("reusing") == len(spec.arms) * len(spec.seeds)
+
+
+def test_quick_comparison_of_one_arm_and_seed(tmp_path):
+    runs, out = _quick(tmp_path, "--arms", "grpo_r2", "--seeds", "0")
+    assert (out / "results.md").is_file() and (out / "reward.png").read_bytes()[:8] == PNG
+    assert sorted(p.name for p in runs.iterdir()) == ["grpo_r2_s0", "probe_s0"]
+    # the same run folder with another config is not silently reused
+    with pytest.raises(ConfigError, match="another config"):
+        from gspo.compare import run_compare
+
+        spec = load_spec(SPEC, quick=True, arms=["grpo_r2"], seeds=[0])
+        run_compare(spec, runs, out, ["optim.lr=0.5"], log=lambda s: None)

@@ -1,0 +1,352 @@
+"""Crash safety: atomic checkpoints, logs cut back on resume, and, through the real CLI,
+SIGKILL anywhere and SIGTERM, then resume to the end.
+
+Each slow test runs ``python -m gspo train`` in a subprocess on ``tiny:llama`` with
+``save_every=1``, interrupts it, resumes it with ``resume=RUN_DIR`` until it finishes, and
+checks the final weights are bit-identical to an uninterrupted run with the same seed, that
+every ``step_*`` folder on disk was complete at every kill, and that ``metrics.jsonl`` holds
+each step exactly once.
+
+Kills inside a checkpoint write use the test hook ``GSPO_TEST_CHECKPOINT_PAUSE=PHASE:STEP``
+(gspo/trainer/checkpoint.py): the writer announces that phase on stderr and waits to be killed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from gspo.config import load_config
+from gspo.trainer import Trainer
+from gspo.trainer.checkpoint import (
+    PAUSE_ENV,
+    PHASES,
+    latest_checkpoint,
+    load_weights,
+    save_checkpoint,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS = 12
+REWARD = "crash_rewards:starts_with_digit"
+REWARD_SOURCE = '''
+def starts_with_digit(prompts, completions, **_):
+    return [float(bool(c) and c[0].isdigit()) for c in completions]
+'''
+# Keys that differ between runs by wall-clock only.
+TIMING = ("time/", "perf/")
+WAIT_S = 600  # per wait; generous for a loaded CI machine
+
+
+def _overrides(out: Path, name: str) -> list[str]:
+    return ["model=tiny:llama", f"output_dir={out}", f"run_name={name}", f"steps={STEPS}",
+            "save_every=1", "keep_checkpoints=2", "progress=false", "tensorboard=false",
+            "num_threads=1", "seed=3", "rollout.max_new_tokens=5", "rollout.prompts_per_step=2",
+            "rollout.group_size=4", "rollout.temperature=1.0", "objective.num_minibatches=2",
+            "task.eval_size=4", "rollout.eval_max_new_tokens=4", "optim.lr=3e-3",
+            f"reward.functions=[{REWARD}]", "logging.samples_every=1"]
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("crash")
+    (d / "crash_rewards.py").write_text(REWARD_SOURCE)
+    return d
+
+
+@pytest.fixture(scope="module")
+def reference(workdir):
+    """The uninterrupted run, in this process (the CLI builds the same Trainer)."""
+    sys.path.insert(0, str(workdir))
+    threads = torch.get_num_threads()
+    try:
+        trainer = Trainer(load_config(None, _overrides(workdir, "reference"))).setup()
+        trainer.train()
+    finally:
+        sys.path.remove(str(workdir))
+        torch.set_num_threads(threads)
+    run = workdir / "reference"
+    weights = _weights(run, STEPS)
+    assert not all(torch.equal(weights[k], _weights(run, STEPS - 1)[k]) for k in weights), \
+        "the last step changed nothing: bit-identity would prove nothing"
+    return run
+
+
+class Cli:
+    """``python -m gspo train`` in a subprocess; its merged stdout/stderr read line by line."""
+
+    def __init__(self, workdir: Path, args: list[str], env: dict[str, str] | None = None):
+        full_env = {**os.environ, "PYTHONPATH": f"{workdir}{os.pathsep}{REPO}",
+                    "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.proc = subprocess.Popen([sys.executable, "-m", "gspo", "train", *args], cwd=REPO,
+                                     env=full_env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True)
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.seen: list[str] = []
+        self.pump = threading.Thread(target=self._pump, daemon=True)
+        self.pump.start()
+
+    def _pump(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.put(line)
+
+    def wait_for(self, predicate, timeout: float = WAIT_S) -> None:
+        """Block until ``predicate()`` holds, checking at every output line and every 20 ms."""
+        end = time.monotonic() + timeout
+        while not predicate():
+            if self.proc.poll() is not None and self.lines.empty():
+                raise AssertionError(f"trainer exited ({self.proc.returncode}) first:\n"
+                                     + "".join(self.seen[-30:]))
+            if time.monotonic() > end:
+                self.proc.kill()
+                raise AssertionError("timed out:\n" + "".join(self.seen[-30:]))
+            try:
+                self.seen.append(self.lines.get(timeout=0.02))
+            except queue.Empty:
+                pass
+
+    def finish(self) -> str:
+        rc = self.proc.wait(timeout=WAIT_S)
+        self.pump.join(timeout=10)
+        while not self.lines.empty():
+            self.seen.append(self.lines.get())
+        out = "".join(self.seen)
+        assert rc == 0, out[-3000:]
+        return out
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=WAIT_S)
+
+
+def _weights(run: Path, step: int) -> dict[str, torch.Tensor]:
+    return load_file(run / "checkpoints" / f"step_{step:06d}" / "model.safetensors")
+
+
+def _steps_logged(run: Path) -> list[int]:
+    path = run / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:  # a line being written right now
+            break
+    return [r["step"] for r in rows if "reward/mean" in r]
+
+
+def _check_checkpoints_complete(run: Path, expected_files: set[str]) -> list[str]:
+    """Every ``step_*`` folder is whole and loads; the resume target exists. Returns names."""
+    root = run / "checkpoints"
+    names = sorted(p.name for p in root.glob("step_*"))
+    for name in names:
+        folder = root / name
+        assert {p.name for p in folder.iterdir()} == expected_files, name
+        load_file(folder / "model.safetensors")
+        torch.load(folder / "optimizer.pt", weights_only=True)
+        assert json.loads((folder / "state.json").read_text())["step"] == int(name[5:])
+    assert latest_checkpoint(root) is not None
+    return names
+
+
+def _assert_same_run(run: Path, reference: Path) -> None:
+    ref_rows = [json.loads(x) for x in (reference / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [r["step"] for r in ref_rows]  # no line lost or doubled
+    assert _steps_logged(run) == list(range(1, STEPS + 1))
+    for a, b in zip(rows, ref_rows):
+        assert {k: v for k, v in a.items() if not k.startswith(TIMING)} == \
+               {k: v for k, v in b.items() if not k.startswith(TIMING)}, a["step"]
+    want, got = _weights(reference, STEPS), _weights(run, STEPS)
+    assert want.keys() == got.keys()
+    for k in want:
+        assert torch.equal(want[k], got[k]), k
+    if (reference / "samples.jsonl").is_file():
+        assert (run / "samples.jsonl").read_text() == (reference / "samples.jsonl").read_text()
+    assert json.loads((run / "final_eval.json").read_text())["steps"] == STEPS
+
+
+def _newest_and_logged(run: Path) -> tuple[int, int]:
+    """(step of the checkpoint a resume starts from, or -1; highest step in metrics.jsonl)."""
+    ckpt = latest_checkpoint(run / "checkpoints")
+    return (int(ckpt.name[5:]) if ckpt else -1), max(_steps_logged(run), default=0)
+
+
+def _step_seconds(run: Path, step: int) -> float:
+    """How long step ``step`` took (its ``time/*`` metrics)."""
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if row["step"] == step and "reward/mean" in row:
+            return sum(v for k, v in row.items() if k.startswith("time/") and v)
+    return 0.0
+
+
+def _kill_plan(rng: random.Random) -> list[str]:
+    """One kill in each phase of a checkpoint write and two at a random instant, in random
+    order; then two in the final save (after the final evaluation)."""
+    kinds = [*PHASES, "anytime", "anytime"]
+    rng.shuffle(kinds)
+    return [*kinds, f"final:{rng.choice(PHASES[:3])}", "final:pointed"]
+
+
+@pytest.mark.slow
+def test_sigkill_anywhere_then_resume_is_bit_identical(workdir, reference):
+    run = workdir / "killed"
+    args = _overrides(workdir, "killed")
+    expected = {p.name for p in (reference / "checkpoints" / f"step_{STEPS:06d}").iterdir()}
+    rng = random.Random(4)
+    kills = []
+    for i, kind in enumerate(_kill_plan(rng)):
+        # Pick a kill point the resumed run reaches: a write of a step past the checkpoint it
+        # starts from, or (anytime) a step not logged yet; never the step-0 checkpoint.
+        newest, logged = _newest_and_logged(run)
+        resume = [f"resume={run}"] if i else []
+        if kind == "anytime":  # a random instant within the step after `step` is logged
+            step = max(newest, logged) + 1
+            assert step < STEPS, f"no room left for the kill plan: {kills}"
+            cli = Cli(workdir, [*args, *resume])
+            cli.wait_for(lambda s=step: s in _steps_logged(run))
+            time.sleep(rng.uniform(0.0, _step_seconds(run, step)))
+        else:
+            phase = kind.removeprefix("final:")
+            step = STEPS if kind.startswith("final:") else max(1, newest + 1 + rng.randint(0, 1))
+            assert newest < step <= STEPS, f"no room left for the kill plan: {kills}"
+            cli = Cli(workdir, [*args, *resume], env={PAUSE_ENV: f"{phase}:{step}"})
+            cli.wait_for(lambda c=cli: any("[checkpoint]" in line for line in c.seen))
+        cli.kill()
+        kills.append((kind, step, _check_checkpoints_complete(run, expected)))
+        print("killed:", kills[-1], "logged:", _steps_logged(run), flush=True)
+    out = Cli(workdir, [*args, f"resume={run}"]).finish()
+    assert "held-out accuracy" in out
+    _check_checkpoints_complete(run, expected)
+    _assert_same_run(run, reference)
+    assert len(kills) == len(PHASES) + 4
+
+
+@pytest.mark.slow
+def test_sigterm_checkpoints_exits_zero_and_resume_is_bit_identical(workdir, reference):
+    run = workdir / "terminated"
+    args = _overrides(workdir, "terminated")
+    cli = Cli(workdir, args)
+    cli.wait_for(lambda: 2 in _steps_logged(run))
+    cli.proc.send_signal(signal.SIGTERM)
+    out = cli.finish()  # exit code 0
+    stopped = int(out.split("interrupted at step ")[1].split(";")[0])
+    assert f"interrupted at step {stopped}; resume with: gspo train resume={run}\n" in out
+    assert 2 <= stopped < STEPS
+    assert latest_checkpoint(run / "checkpoints").name == f"step_{stopped:06d}"
+    assert not (run / "final_eval.json").exists()
+    Cli(workdir, [*args, f"resume={run}"]).finish()
+    _assert_same_run(run, reference)
+
+
+# ----------------------------------------------------------------------------- fast lane
+
+
+class _Saves:
+    """Stands in for a model or tokenizer: ``save_pretrained`` writes one file."""
+
+    def __init__(self, filename: str, fail: bool = False) -> None:
+        self.filename, self.fail = filename, fail
+
+    def save_pretrained(self, path, **_):
+        if self.fail:
+            raise OSError("disk full")
+        (Path(path) / self.filename).write_text("x")
+
+
+def _save(root, step, keep=2, protect=(), fail=False, note=""):
+    return save_checkpoint(root, step, _Saves("model.safetensors"), _Saves("tokenizer.json", fail),
+                           {"optimizer": {}}, {"step": step, "note": note}, keep, protect)
+
+
+def test_a_failed_write_leaves_no_step_folder_and_is_cleaned_up_later(tmp_path):
+    _save(tmp_path, 1)
+    with pytest.raises(OSError, match="disk full"):
+        _save(tmp_path, 2, fail=True)
+    assert (tmp_path / ".tmp-step_000002").is_dir() and not (tmp_path / "step_000002").exists()
+    assert latest_checkpoint(tmp_path).name == "step_000001"
+    _save(tmp_path, 3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_000001", "step_000003"]
+
+
+def test_pruning_spares_protected_folders_and_a_resave_replaces_the_folder(tmp_path):
+    for step in range(1, 5):
+        _save(tmp_path, step, keep=1, protect=("step_000002",))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_000002", "step_000004"]
+    _save(tmp_path, 4, keep=1, note="again")
+    assert json.loads((tmp_path / "step_000004" / "state.json").read_text())["note"] == "again"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_000004"]
+
+
+def test_load_weights_round_trip_and_mismatch(tmp_path):
+    from gspo.config import LoRAConfig
+    from gspo.models import load_model
+    from gspo.models.lora import apply_lora
+
+    model, _ = load_model("tiny:llama", seed=0)
+    model.save_pretrained(tmp_path / "dense")
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    load_weights(model, tmp_path / "dense")  # the tied output layer comes back with the input
+    assert all(torch.equal(v, want[k]) for k, v in model.state_dict().items())
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError):
+        load_weights(model, tmp_path / "empty")
+    (tmp_path / "partial").mkdir()
+    save_file({k: v for k, v in want.items() if k != "model.norm.weight"},
+              tmp_path / "partial" / "model.safetensors")
+    with pytest.raises(ValueError, match=r"missing \['model.norm.weight'\]"):
+        load_weights(model, tmp_path / "partial")
+
+    lora = apply_lora(load_model("tiny:llama", seed=0)[0], LoRAConfig(r=4))
+    with torch.no_grad():
+        for n, p in lora.named_parameters():
+            if "lora_" in n:
+                p.normal_()
+    lora.save_pretrained(tmp_path / "adapter")
+    adapter = {n: p.clone() for n, p in lora.named_parameters() if "lora_" in n}
+    with torch.no_grad():
+        for n, p in lora.named_parameters():
+            if "lora_" in n:
+                p.zero_()
+    load_weights(lora, tmp_path / "adapter")
+    assert all(torch.equal(p, adapter[n]) for n, p in lora.named_parameters() if "lora_" in n)
+
+
+def test_resume_cuts_the_logs_back_to_the_checkpoint(tmp_path):
+    def cfg(*extra):
+        return load_config(None, [
+            "model=tiny:llama", f"output_dir={tmp_path}", "run_name=r", "progress=false",
+            "tensorboard=false", "num_threads=1", "rollout.max_new_tokens=3",
+            "rollout.prompts_per_step=2", "rollout.group_size=2", "objective.num_minibatches=2",
+            "task.eval_size=0", "save_every=1", *extra])
+
+    first = Trainer(cfg("steps=2")).setup()
+    first.train()
+    run = first.run_dir
+    with open(run / "metrics.jsonl", "a") as fh:  # a step after the checkpoint, then a torn line
+        fh.write(json.dumps({"step": 3, "reward/mean": 0.0}) + "\n" + '{"step": 4, "rew')
+    resumed = Trainer(cfg("steps=3", f"resume={run}")).setup()
+    assert resumed.step == 2
+    resumed.train()
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3] and "train/loss" in rows[-1]

@@ -1,0 +1,245 @@
+"""Several processes (gloo, CPU) compute the same update as one: DDP and FSDP2, GSPO and GRPO,
+dense and MoE; sampling does not depend on how prompts are split; ranks exit cleanly."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as tdist
+import torch.multiprocessing as mp
+
+from gspo.config import ObjectiveConfig
+from gspo.models import load_model
+from gspo.rollout import SamplingParams, generate
+from gspo.trainer.distributed import Dist, full_model_state, save_sharded, wrap
+from gspo.trainer.update import UpdateBatch, policy_update
+
+REPO = Path(__file__).resolve().parents[2]
+WORLD = 2
+G, B = 2, 4  # 8 rows: 4 on each rank
+ALL = [(s, o, m) for m in ("tiny:llama", "tiny:qwen3_moe") for s in ("ddp", "fsdp2")
+       for o in ("gspo", "grpo")]
+FAST = [("ddp", "gspo", "tiny:llama"), ("fsdp2", "grpo", "tiny:qwen3_moe")]
+MB_SEED = 3  # a permutation where one minibatch holds rows of rank 0 only (checked below)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _objective(name: str) -> ObjectiveConfig:
+    eps = (3e-4, 4e-4) if name == "gspo" else (0.2, 0.27)
+    return ObjectiveConfig(name=name, eps_low=eps[0], eps_high=eps[1], num_minibatches=4,
+                           epochs=2)
+
+
+def _rollout_batch(model: torch.nn.Module, seed: int) -> UpdateBatch:
+    """B×G rows of random prompts and responses of different lengths, right-padded; old
+    log-probs are the policy's plus noise, so ratios differ from 1 and clipping acts."""
+    from gspo.models import token_logprobs
+    from gspo.rollout import pad_batch
+
+    g = torch.Generator().manual_seed(seed)
+    prompts, responses = [], []
+    for _ in range(B):
+        p = torch.randint(3, 250, (int(torch.randint(3, 7, (1,), generator=g)),), generator=g)
+        for _ in range(G):
+            n = int(torch.randint(1, 6, (1,), generator=g))
+            prompts.append(p.tolist())
+            responses.append(torch.randint(3, 250, (n,), generator=g).tolist())
+    batch = pad_batch(prompts, responses, pad_id=0)
+    with torch.no_grad():
+        lp, _ = token_logprobs(model, batch["input_ids"], batch["attention_mask"],
+                               batch["response_mask"])
+    old = (lp + 0.02 * torch.randn(lp.shape, generator=g)) * batch["response_mask"]
+    adv = torch.randn(B * G, generator=g)
+    return UpdateBatch(batch["input_ids"], batch["attention_mask"], batch["response_mask"], old,
+                       adv)
+
+
+def _update(model, batch, objective, dist=None):
+    # lr 1e-4: AdamW turns fp32 reduction-order noise in a gradient into ~lr × noise in the
+    # update; 8 steps then move weights by up to ~1e-3 and the two runs agree to ~1e-7.
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
+    from gspo.config import MoEConfig
+
+    moe = MoEConfig() if "moe" in type(model).__name__.lower() else None
+    stats, skipped = policy_update(model, opt, sched, batch, objective=objective,
+                                   temperature=1.0, chunk=7, grad_clip=1.0,
+                                   generator=torch.Generator().manual_seed(MB_SEED), moe=moe,
+                                   dist=dist)
+    assert skipped == 0
+    return opt, stats
+
+
+def _rows(batch: UpdateBatch, lo: int, hi: int) -> UpdateBatch:
+    return batch.rows(torch.arange(lo, hi))
+
+
+def _worker(rank: int, port: int, out_dir: str, combos: list) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    tdist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    results = {}
+    for strategy, obj_name, model_name in combos:
+        objective = _objective(obj_name)
+        model, _ = load_model(model_name, seed=0)
+        batch = _rollout_batch(model, seed=1)
+        single = copy.deepcopy(model)
+        _, want_stats = _update(single, batch, objective)  # the same step in one process
+        d = Dist(rank=rank, world_size=WORLD, strategy=strategy)
+        d.engine = wrap(model, d)
+        lo, hi = d.shard(B)
+        opt, stats = _update(model, _rows(batch, lo * G, hi * G), objective, dist=d)
+        full = full_model_state(model, d) or model.state_dict()  # FSDP2: rank 0's is full
+        if rank == 0:
+            want = single.state_dict()
+            err = max(float((full[k].float() - want[k].float()).abs().max()) for k in want)
+            moved = max(float((full[k].float() - v.float()).abs().max())
+                        for k, v in load_model(model_name, seed=0)[0].state_dict().items())
+            stat_err = max(abs(float(s[k]) - float(w[k])) for s, w in zip(stats, want_stats)
+                           for k in w)
+            results[f"{strategy}-{obj_name}-{model_name}"] = {"err": err, "moved": moved,
+                                                              "stat_err": stat_err}
+        if strategy == "fsdp2" and not (Path(out_dir) / "dcp").exists():
+            save_sharded(Path(out_dir) / "dcp", model, opt)
+            if rank == 0:
+                torch.save({"model": model_name, "state": single.state_dict()},
+                           Path(out_dir) / "dcp_want.pt")
+        del model, opt, d
+    if rank == 0:
+        (Path(out_dir) / "results.json").write_text(json.dumps(results))
+    import gc
+
+    gc.collect()
+    tdist.barrier()
+    tdist.destroy_process_group()
+
+
+def test_minibatch_seed_leaves_one_rank_without_rows():
+    order = torch.randperm(B * G, generator=torch.Generator().manual_seed(MB_SEED))
+    assert any(bool((mb < B * G // 2).all()) or bool((mb >= B * G // 2).all())
+               for mb in order.tensor_split(4))  # exercises the zero-row rank path
+
+
+def _check_two_ranks(tmp_path, combos):
+    mp.spawn(_worker, args=(_free_port(), str(tmp_path), combos), nprocs=WORLD, join=True)
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert len(results) == len(combos)
+    for name, r in results.items():
+        assert r["moved"] > 1e-4, name  # the step changed the weights
+        assert r["err"] < 1e-6, (name, r)  # ... exactly as one process does
+        assert r["stat_err"] < 1e-5, (name, r)  # clip fractions etc. are the global values
+    # The sharded checkpoint written by 2 ranks loads into one plain process.
+    from gspo.trainer.distributed import load_sharded
+
+    want = torch.load(tmp_path / "dcp_want.pt")
+    model, _ = load_model(want["model"], seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    load_sharded(tmp_path / "dcp", model, opt)
+    want, got = want["state"], model.state_dict()
+    assert max(float((got[k] - want[k]).abs().max()) for k in want) < 1e-6
+    assert len(opt.state) == len(list(model.parameters()))  # Adam moments restored too
+
+
+def test_two_ranks_make_the_same_update_as_one_process(tmp_path):
+    """DDP with GSPO on a dense model, FSDP2 with GRPO on an MoE model; the slow lane runs
+    all eight combinations."""
+    _check_two_ranks(tmp_path, FAST)
+
+
+@pytest.mark.slow
+def test_two_ranks_match_one_process_for_every_strategy_objective_and_model(tmp_path):
+    _check_two_ranks(tmp_path, ALL)
+
+
+def test_sampling_does_not_depend_on_the_prompt_split():
+    model, tok = load_model("tiny:llama", seed=0)
+    prompts = [tok.encode(t) for t in ("1+2=", "tell me", "x")]
+    params = SamplingParams(max_new_tokens=8, temperature=1.0)
+
+    def run(idx):
+        gens = [torch.Generator().manual_seed(100 + i) for i in idx]
+        return generate(model, [prompts[i] for i in idx], group_size=3, params=params,
+                        eos=[tok.eos_token_id], pad_id=tok.pad_token_id,
+                        generator=gens).response_ids
+
+    together = run([0, 1, 2])
+    apart = run([0]) + run([1, 2])
+    assert together == apart
+
+
+def test_one_process_dist_is_the_identity():
+    d = Dist()
+    assert not d.enabled and d.is_main and d.shard(5) == (0, 5)
+    t = torch.arange(3.0)
+    assert d.gather(t)[0] is t and d.all_reduce(t) is t
+    assert [Dist(rank=r, world_size=3).shard(7) for r in range(3)] == [(0, 3), (3, 5), (5, 7)]
+
+
+TRAIN_STEP = textwrap.dedent("""
+    import sys, torch
+    from gspo.config import load_config
+    from gspo.trainer import Trainer
+    from gspo.trainer.distributed import full_model_state, shutdown
+
+    def starts_with_digit(prompts, completions, **_):
+        return [float(bool(c) and c[0].isdigit()) for c in completions]
+
+    out, name, model = sys.argv[1], sys.argv[2], sys.argv[3]
+    strategy = name if name in ("ddp", "fsdp2") else "ddp"
+    cfg = load_config(None, [f"model={model}", f"output_dir={out}", f"run_name={name}",
+        "progress=false", "rollout.max_new_tokens=6", "rollout.prompts_per_step=3",
+        "rollout.group_size=4", "rollout.temperature=1.0", "task.eval_size=0",
+        "optim.lr=1e-3", "objective.num_minibatches=3", "objective.scale_rewards=batch",
+        f"dist.strategy={strategy}"])
+    trainer = Trainer(cfg, reward_fns=[starts_with_digit]).setup()
+    metrics = trainer.train_step()
+    state = full_model_state(trainer.model, trainer.dist) or trainer.model.state_dict()
+    if trainer.dist.is_main:
+        torch.save({"state": state, "metrics": metrics}, f"{out}/{name}.pt")
+    shutdown(trainer)
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["tiny:llama", "tiny:qwen3_moe"])
+def test_a_train_step_under_torchrun_matches_one_process(tmp_path, model):
+    """The whole step (shared prompts, per-prompt sampling, gathered rewards with batch-scaled
+    advantages, sharded rows, global minibatches, reduced metrics) on 2 ranks vs 1."""
+    script = tmp_path / "step.py"
+    script.write_text(TRAIN_STEP)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    for strategy in ("ddp", "fsdp2"):
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD),
+             "--master_port", str(_free_port()), str(script), str(tmp_path), strategy, model],
+            env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "terminate called" not in proc.stderr
+    single_env = {k: v for k, v in env.items() if k not in ("WORLD_SIZE", "RANK")}
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path), "single", model],
+                          env=single_env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    want = torch.load(tmp_path / "single.pt")
+    for strategy in ("ddp", "fsdp2"):
+        got = torch.load(tmp_path / f"{strategy}.pt")
+        err = max(float((got["state"][k] - want["state"][k]).abs().max())
+                  for k in want["state"])
+        assert err < 1e-5, (strategy, err)
+        for key in ("reward/mean", "objective/clip_frac_tokens", "rollout/response_len_mean",
+                    "train/entropy", "objective/approx_kl"):
+            assert got["metrics"][key] == pytest.approx(want["metrics"][key], rel=1e-4,
+                                                        abs=1e-6), key

@@ -1,0 +1,69 @@
+"""The cold-start supervised stage: answer format, loss mask, learning, cache reuse."""
+
+import pytest
+
+import gspo.sft as sft
+from gspo.config import ConfigError, SFTConfig, load_sft_config
+from gspo.data import ArithmeticTask
+from gspo.models import load_model
+from gspo.models.loading import resolve_model
+from gspo.models.tiny import byte_tokenizer
+from gspo.sft import cold_start, config_hash, read_info, response_text, sft_batch, sft_dir
+
+# A few seconds: the small test MoE on one-digit sums (held-out problems never seen in training).
+QUICK = ["base=tiny:qwen3_moe", "levels=[1]", "steps=80", "batch_size=16", "lr=5e-3",
+         "warmup_steps=5", "eval_size=20"]
+
+
+def test_answer_text_and_loss_mask_cover_only_the_response():
+    task = ArithmeticTask([2], [], ["+", "-", "*"], [], 0, seed=3)
+    examples = task.sample(4)
+    for ex in examples:
+        expr = ex.prompt.removeprefix("What is ").split("?")[0]
+        assert response_text(ex) == f"{expr}={ex.answer}"
+    tok = byte_tokenizer()
+    cfg = SFTConfig()
+    batch = sft_batch(tok, examples, cfg, eos_id=tok.eos_token_id)
+    for i, ex in enumerate(examples):
+        picked = batch["input_ids"][i][batch["response_mask"][i].bool()].tolist()
+        assert picked[-1] == tok.eos_token_id
+        assert tok.decode(picked[:-1]) == response_text(ex)
+
+
+def test_cache_key_ignores_threads_and_eval_size_only():
+    base = SFTConfig()
+    assert config_hash(base) == config_hash(SFTConfig(num_threads=2, eval_size=7))
+    assert config_hash(base) != config_hash(SFTConfig(steps=base.steps + 1))
+    assert config_hash(base) != config_hash(SFTConfig(system_prompt="Be brief."))
+
+
+def test_bad_sft_config_is_one_line_error():
+    with pytest.raises(ConfigError, match=r"sft\.levels"):
+        load_sft_config(None, ["levels=[9]"])
+    with pytest.raises(ConfigError, match="unknown config key 'stepz'"):
+        load_sft_config(None, ["stepz=3"])
+
+
+def test_sft_improves_held_out_accuracy_and_is_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("GSPO_CACHE", str(tmp_path))
+    cfg = load_sft_config(None, QUICK)
+    lines = []
+    folder = cold_start(cfg, log=lines.append)
+    info = read_info(folder)
+    assert info["accuracy_before"] == 0.0 and info["n_eval"] >= 10
+    assert info["accuracy_after"] > info["accuracy_before"], lines
+    assert folder == sft_dir(cfg) and (folder / "config.json").is_file()
+    assert [p.name for p in folder.parent.iterdir()] == [folder.name]  # no temp folder left
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("the cached cold start was trained again")
+
+    monkeypatch.setattr(sft, "train_sft", no_training)
+    assert cold_start(cfg) == folder
+    # model: sft:<tiny name> resolves to the cached default cold start of that model
+    monkeypatch.setattr(sft, "SFTConfig", lambda base: load_sft_config(None, [*QUICK,
+                                                                             f"base={base}"]))
+    assert resolve_model("sft:qwen3_moe") == folder
+    model, tok = load_model("sft:qwen3_moe")
+    assert tok.decode(tok("7+2=9")["input_ids"]) == "7+2=9" and tok.pad_token_id == 0
+    assert type(model).__name__ == "Qwen3MoeForCausalLM"
