@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import PROMPTS, fmt, machine, median, now, write_result
+from benchmarks.common import PROMPT_SETS, fmt, machine, median, now, write_result
 
 
 def _left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,6 +80,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--prompts", choices=sorted(PROMPT_SETS), default="story",
+                   help="story: every response runs to max_new_tokens; arithmetic: short "
+                        "answers (EOS at different steps); fewshot: arithmetic after 8 examples")
     p.add_argument("--reps", type=int, default=4)
     p.add_argument("--threads", type=int, default=1,
                    help="1: times are CPU seconds of the process (robust to other load)")
@@ -95,7 +98,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     model, tok = load_model(a.model)
     model.eval()
     eos, pad = eos_ids(model, tok), tok.pad_token_id
-    prompts = [format_prompt(tok, x) for x in PROMPTS[: a.prompts_per_step]]
+    texts, system = PROMPT_SETS[a.prompts]
+    prompts = [format_prompt(tok, x, system_prompt=system) for x in texts[: a.prompts_per_step]]
     kw = {"group_size": a.group_size, "max_new_tokens": a.max_new_tokens,
           "temperature": a.temperature, "eos": eos, "pad_id": pad}
     arms = {"gspo": lambda r: gspo_generate(model, prompts, seed=r, **kw),
@@ -113,17 +117,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             times[name].append(dt)
             rates[name].append(sum(len(x) for x in rows) / dt)
     pair = [g / h for g, h in zip(rates["gspo"], rates["hf"])]
-    check = greedy_check(model, [format_prompt(tok, x) for x in PROMPTS[: a.greedy_prompts]],
+    check = greedy_check(model, [format_prompt(tok, x, system_prompt=system)
+                                 for x in texts[: a.greedy_prompts]],
                          max_new_tokens=a.max_new_tokens, eos=eos, pad_id=pad)
     summary = {k: {"tok_s": median(rates[k]), "s": median(times[k])} for k in arms}
     data = {"config": vars(a), "machine": machine(), "summary": summary,
             "clock": "cpu" if a.threads == 1 else "wall",
             "ratio_gspo_over_hf": median(pair), "paired_ratios": pair, "raw_tok_s": rates,
             "greedy_check": check}
-    name = "rollout_" + a.model.replace(":", "-").replace("/", "_") + (f"_{a.tag}" if a.tag else "")
-    header = ("| model | threads | batch | gspo tok/s | HF generate tok/s | gspo/HF "
-              "| greedy equal |\n|---|---|---|---|---|---|---|")
-    rows = [f"| {a.model} | {a.threads} | {a.prompts_per_step}×{a.group_size}×{a.max_new_tokens}"
+    name = "_".join(["rollout", a.model.replace(":", "-").replace("/", "_"), a.prompts,
+                     *([a.tag] if a.tag else [])])
+    header = ("| model | prompts (mean tokens) | threads | batch | gspo tok/s | HF generate tok/s "
+              "| gspo/HF | greedy equal |\n|---|---|---|---|---|---|---|---|")
+    mean_len = sum(len(x) for x in prompts) / len(prompts)
+    rows = [f"| {a.model} | {a.prompts} ({mean_len:.0f}) | {a.threads} | "
+            f"{a.prompts_per_step}×{a.group_size}×{a.max_new_tokens}"
             f" | {fmt(summary['gspo']['tok_s'], 1)} | {fmt(summary['hf']['tok_s'], 1)} | "
             f"{fmt(median(pair))}× | {check['rows_equal']}/{check['rows']} |"]
     write_result(name, data, header, rows, a.out)

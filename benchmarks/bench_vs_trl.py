@@ -7,8 +7,8 @@ the π_old log-prob pass, then ``minibatches`` AdamW steps of N / minibatches ro
     per_device_train_batch_size = N / minibatches, gradient_accumulation_steps = 1,
     steps_per_generation = minibatches (one generation feeds that many optimizer steps),
     num_iterations = 1, importance_sampling_level="sequence", loss_type="grpo",
-    bf16=False, gradient_checkpointing=False (TRL's defaults are True for both),
-    optim="adamw_torch" (the class gspo uses), the chat template's default system prompt.
+    bf16=False, gradient_checkpointing=False (TRL's defaults are True for both), TRL's default
+    optimizer (fused AdamW), the chat template's default system prompt.
 
 With gradient_accumulation_steps (1) not a multiple of steps_per_generation (2), TRL runs its
 own π_old log-prob pass, as gspo does (``objective.old_logprobs=recompute``), so the work is
@@ -79,7 +79,7 @@ def _step(wall: float, cpu: float, rollout: tuple[float, float], response_tokens
 
 
 def _apply_proposals(trainer: Any) -> None:
-    """The two update-path proposals, patched in for measurement (not what gspo ships today).
+    """The update-path proposals, patched in for measurement (not what gspo ships today).
 
     1. Every log-prob pass runs each distinct prompt once (:mod:`gspo.models.packing`).
     2. With ``objective.old_logprobs=rollout`` the trainer still recomputes π_old (for a gap
@@ -94,6 +94,13 @@ def _apply_proposals(trainer: Any) -> None:
 
     update_module.token_logprobs = shared_prefix_logprobs
     trainer_module.token_logprobs = shared_prefix_logprobs
+    # 3. Fused AdamW (same update rule, one kernel over all parameters; TRL's default too).
+    lr_lambda = trainer.scheduler.lr_lambdas[0]
+    trainer.optimizer = torch.optim.AdamW(
+        [p for p in trainer.model.parameters() if p.requires_grad], lr=trainer.cfg.optim.lr,
+        betas=tuple(trainer.cfg.optim.betas), weight_decay=trainer.cfg.optim.weight_decay,
+        fused=True)
+    trainer.scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, lr_lambda)
 
     def rollout_logprobs(batch: dict[str, Any]) -> tuple[Any, Any, None]:
         # (log π_old, entropy, MoE routing), the triple Trainer.train_step unpacks
@@ -175,7 +182,7 @@ def run_trl(spec: dict[str, Any]) -> dict[str, Any]:
             max_completion_length=spec["max_new_tokens"], temperature=spec["temperature"],
             top_p=1.0, top_k=0, learning_rate=spec["lr"], lr_scheduler_type="constant",
             warmup_steps=0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999,
-            max_grad_norm=1.0, optim="adamw_torch", beta=0.0, epsilon=3e-4, epsilon_high=4e-4,
+            max_grad_norm=1.0, beta=0.0, epsilon=3e-4, epsilon_high=4e-4,
             importance_sampling_level="sequence", loss_type="grpo", scale_rewards="group",
             max_steps=mb * spec["steps"], bf16=False, gradient_checkpointing=False,
             use_cpu=True, report_to="none", logging_steps=1, save_strategy="no",

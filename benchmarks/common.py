@@ -28,6 +28,17 @@ TOPICS = ["a dragon who learns to cook", "a lighthouse keeper", "a lost robot",
           "a haunted train", "a garden on the moon", "a shy giant", "a forgotten island",
           "a travelling circus", "a river spirit"]
 PROMPTS = [f"Write a long story about {t}." for t in TOPICS]
+# gspo's default task (short answers, so responses end at different steps), bare and with
+# eight worked examples in front (a long shared prompt, as in few-shot math RL).
+PAIRS = [(23, 58), (71, 16), (38, 44), (9, 87), (55, 27), (62, 19), (14, 73), (46, 35),
+         (81, 12), (27, 64), (33, 48), (15, 76), (68, 29), (42, 51), (19, 34), (57, 66)]
+ARITHMETIC = [f"What is {a}+{b}? Answer with a number." for a, b in PAIRS]
+SHOTS = "".join(f"What is {a}+{b}? {a + b}\n" for a, b in PAIRS[8:])
+PROMPT_SETS = {  # name: (user messages, system prompt; "" = the chat template's default)
+    "story": (PROMPTS, ""),
+    "arithmetic": (ARITHMETIC, "You are a helpful assistant."),
+    "fewshot": ([SHOTS + q for q in ARITHMETIC], "You are a helpful assistant."),
+}
 
 
 def now() -> tuple[float, float]:

@@ -101,15 +101,22 @@ def _fmt(x: float) -> str:
     return f"{x:.0f}" if abs(x) >= 100 else f"{x:.3f}"
 
 
-def _cell(s: dict[str, float]) -> str:
-    return f"{_fmt(s['mean'])} ± {_fmt(s['sd'])}" if s["n"] else "n/a"
+def _cell(s: dict[str, float], digits: int | None = None) -> str:
+    """``mean ± sd``; the sd in the mean's notation so the two read together."""
+    if not s["n"]:
+        return "n/a"
+    m, sd = s["mean"], s["sd"]
+    if digits is None and m != 0 and abs(m) < 0.01:
+        return f"{m:.1e} ± {sd:.0e}"
+    d = 3 if digits is None else digits
+    return f"{m:.{d}f} ± {sd:.{d}f}"
 
 
 def markdown_table(summary: dict[str, Any]) -> str:
     head = ["arm", *(title for _, title in COLUMNS)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for arm in summary["arms"].values():
-        cells = [_cell(arm["stats"][key]) for key, _ in COLUMNS]
+        cells = [_cell(arm["stats"][key], 0 if key == "wall_s" else None) for key, _ in COLUMNS]
         lines.append("| " + " | ".join([arm["label"], *cells]) + " |")
     return "\n".join(lines)
 
@@ -125,14 +132,24 @@ def _per_seed_table(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _start_text(summary: dict[str, Any]) -> str:
+    """What every arm starts from (same initial policy and evaluation set per seed)."""
+    runs = [r for arm in summary["arms"].values() for r in arm["runs"].values()]
+    before = _stats([r["accuracy_before"] for r in runs][: len(summary["seeds"])])
+    first = _stats([r["first_reward"] for r in runs])
+    hours = sum(r["wall_s"] for r in runs) / 60
+    return (f"Before RL (shared by every arm): held-out accuracy {_cell(before)}; training "
+            f"reward over the first quarter of the steps {_cell(first)} (all runs). "
+            f"Sum of the runs' wall times: {hours:.1f} min.")
+
+
 def _probe_text(probe: dict[str, Any]) -> str:
     if not probe:
         return "No routing probe (the policy is not a Mixture-of-Experts model)."
     t, e = probe["token_change"], probe["expert_change"]
     return (f"After one optimizer step from the initial policy (one minibatch), "
-            f"{_fmt(e['mean'])} ± {_fmt(e['sd'])} of the experts chosen under π_old were "
-            f"replaced ({_fmt(t['mean'])} ± {_fmt(t['sd'])} of (token, layer) pairs changed "
-            f"their expert set), over {t['n']} seeds.")
+            f"{_cell(e)} of the experts chosen under π_old were replaced ({_cell(t)} of "
+            f"(response token, MoE layer) pairs changed their expert set), over {t['n']} seeds.")
 
 
 def write_report(summary: dict[str, Any], runs: dict[str, dict[int, Path]],
@@ -145,11 +162,12 @@ def write_report(summary: dict[str, Any], runs: dict[str, dict[int, Path]],
     images = "\n".join(f"![{p.stem}]({p.name})" for p in pngs)
     text = "\n\n".join([
         "# gspo compare", f"Command: `{summary['command']}`" if summary.get("command") else "",
-        f"Seeds: {summary['seeds']}; total wall time {summary['total_wall_s'] / 60:.1f} min on "
-        f"{summary['machine']['cpus']} CPUs (load average at the end: "
-        f"{summary['machine']['load_average']}).",
+        f"Seeds: {summary['seeds']}. This invocation took {summary['total_wall_s'] / 60:.1f} min "
+        f"(finished runs are reused, not rerun) on {summary['machine']['cpus']} CPUs, load "
+        f"average at the end {summary['machine']['load_average']}.",
         "Mean ± standard deviation over seeds (definitions: gspo/compare_report.py).",
-        markdown_table(summary), "## Routing drift after one update", _probe_text(summary["probe"]),
+        markdown_table(summary), _start_text(summary), "## Routing drift after one update",
+        _probe_text(summary["probe"]),
         "## Per seed", _per_seed_table(summary), "## Plots", images,
         "## Base run config", f"```yaml\n{summary['base_config']}```"])
     (out_dir / "results.md").write_text(text + "\n")

@@ -91,9 +91,12 @@ def shared_prefix_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: 
     picked, labels = before[rows, j], r_ids[rows, j]
     weight, bias = head.weight, getattr(head, "bias", None)
     out_lp, out_ent = [], []
+    # Checkpointing trades a recompute of the head for not keeping every chunk's logits; with a
+    # single chunk there is nothing to trade, so it is skipped.
+    recompute = torch.is_grad_enabled() and picked.shape[0] > chunk
     for s in range(0, picked.shape[0], chunk):
         h, y = picked[s:s + chunk], labels[s:s + chunk]
-        if torch.is_grad_enabled():
+        if recompute:
             lp, ent = checkpoint(_chunk_logprobs, h, weight, bias, y, temperature, with_entropy,
                                  use_reentrant=False)
         else:

@@ -280,8 +280,10 @@ def optimizer_state(model: Any, optimizer: Any, d: Dist) -> dict[str, Any]:
 
 
 def load_optimizer_state(model: Any, optimizer: Any, state: dict[str, Any], d: Dist) -> None:
-    """Inverse of :func:`optimizer_state`; a full state from any world size loads into any."""
-    if d.strategy != "fsdp2" or not d.enabled:
+    """Inverse of :func:`optimizer_state`, across strategies and world sizes: a state keyed by
+    parameter index (one process, DDP) or by parameter name (FSDP2) loads into any run."""
+    by_index = all(isinstance(k, int) for k in state.get("state", {}))
+    if by_index and (d.strategy != "fsdp2" or not d.enabled):
         optimizer.load_state_dict(state)
         return
     from torch.distributed.checkpoint.state_dict import (
@@ -289,6 +291,11 @@ def load_optimizer_state(model: Any, optimizer: Any, state: dict[str, Any], d: D
         set_optimizer_state_dict,
     )
 
+    if by_index:  # the optimizer was built from the trainable parameters, in model order
+        names = [n for n, p in model.named_parameters() if p.requires_grad]
+        state = {"state": {names[i]: v for i, v in state["state"].items()},
+                 "param_groups": [{**g, "params": [names[i] for i in g["params"]]}
+                                  for g in state["param_groups"]]}
     set_optimizer_state_dict(model, optimizer, state,
                              options=StateDictOptions(full_state_dict=True))
 

@@ -45,15 +45,22 @@ class Guard:
         self.best_window_reward: float | None = None
         self.recent_rewards: deque[float] = deque(maxlen=cfg.collapse_window)
         self.last_good_step: int | None = None  # newest checkpoint written while healthy
+        self.alarm = False  # a signal fired and nothing was rolled back (a stop): not healthy
 
     def observe(self, metrics: dict[str, Any]) -> str | None:
         """Record one step; the reason to act, or None while the run looks healthy."""
+        reason = self._signal(metrics)
+        self.alarm = self.alarm or reason is not None
+        return reason
+
+    def _signal(self, metrics: dict[str, Any]) -> str | None:
         cfg = self.cfg
         if metrics.get("train/skipped_updates", 0) > 0:
             self.faults += 1
             self.consecutive += 1
         else:
             self.consecutive = 0
+        drop = self._reward_drop(metrics.get("reward/mean"))  # the window moves every step
         if cfg.max_consecutive_faults and self.consecutive >= cfg.max_consecutive_faults:
             return (f"{self.consecutive} consecutive steps with updates skipped for non-finite "
                     "loss, gradient or log-probs")
@@ -63,7 +70,7 @@ class Guard:
         ratio = metrics.get("objective/seq_ratio_max")
         if cfg.collapse_ratio_ceiling and _finite(ratio) and ratio > cfg.collapse_ratio_ceiling:
             return f"sequence ratio max {ratio:.4g} rose above guard.collapse_ratio_ceiling"
-        return self._reward_drop(metrics.get("reward/mean"))
+        return drop
 
     def _reward_drop(self, reward: Any) -> str | None:
         if not self.cfg.collapse_reward_drop or not _finite(reward):
@@ -81,7 +88,7 @@ class Guard:
 
     def acted(self, rolled_back: bool) -> None:
         """Reset the streak and the reward window after an action (the best is kept)."""
-        self.consecutive = 0
+        self.consecutive, self.alarm = 0, False
         self.recent_rewards.clear()
         self.rollbacks += int(rolled_back)
 
@@ -95,7 +102,7 @@ class Guard:
         return latest_checkpoint(root)  # a checkpoint from before the guard kept count
 
     def saved(self, step: int) -> None:
-        if self.consecutive == 0:
+        if self.consecutive == 0 and not self.alarm:
             self.last_good_step = step
 
     def metrics(self) -> dict[str, float]:
@@ -113,6 +120,8 @@ class Guard:
         self.rollbacks, self.best_window_reward = state["rollbacks"], state["best_window_reward"]
         self.recent_rewards.clear()
         self.recent_rewards.extend(state["recent_rewards"])
+        # ``alarm`` is not restored: it is only ever set when a run stopped, and resuming such
+        # a run (with another config, say) starts from that checkpoint afresh.
         self.last_good_step = state["last_good_step"]
 
 

@@ -25,8 +25,8 @@ def test_rollout_benchmark_writes_results(tmp_path):
                                "--max-new-tokens", "4", "--greedy-prompts", "3",
                                "--out", str(tmp_path)])
     assert data["greedy_check"]["all_equal"]
-    assert json.loads((tmp_path / "rollout_tiny-llama.json").read_text())["summary"]
-    assert (tmp_path / "rollout_tiny-llama.md").read_text().count("|") > 10
+    assert json.loads((tmp_path / "rollout_tiny-llama_story.json").read_text())["summary"]
+    assert (tmp_path / "rollout_tiny-llama_story.md").read_text().count("|") > 10
 
 
 def test_gspo_arms_and_summary():
@@ -76,3 +76,15 @@ def test_trl_arm_and_objective_equivalence(tmp_path):
     assert len(r["steps"]) == 2 and r["steps"][0]["response_tokens"] > 0
     data = bench_objective.main(["--cases", "2", "--out", str(tmp_path)])
     assert data["summary"]["all rows non-empty"]["equal_to_1e-5"]
+
+
+@pytest.fixture(autouse=True)
+def _restore_patched_logprobs():
+    """bench_vs_trl's proposal arm patches the trainer's log-prob function in-process (it is
+    meant for a child process); undo it so later tests see the shipped code path."""
+    import gspo.trainer.trainer as trainer_module
+    import gspo.trainer.update as update_module
+
+    saved = update_module.token_logprobs, trainer_module.token_logprobs
+    yield
+    update_module.token_logprobs, trainer_module.token_logprobs = saved

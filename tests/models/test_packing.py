@@ -1,5 +1,6 @@
 """shared_prefix_logprobs equals token_logprobs (values, entropy and gradients) to fp32 rounding."""
 
+import pytest
 import torch
 
 from gspo.models.logprobs import token_logprobs
@@ -41,7 +42,8 @@ def test_values_and_entropy_match_the_plain_path():
     assert (seq1 - seq0).abs().max() < 3e-6
 
 
-def test_gradients_match_the_plain_path():
+@pytest.mark.parametrize("chunk", [7, 4096])  # several checkpointed chunks / one plain chunk
+def test_gradients_match_the_plain_path(chunk):
     model, _ = build_tiny("llama", seed=2)
     model.train()
     b = _batch(seed=3)
@@ -49,7 +51,7 @@ def test_gradients_match_the_plain_path():
     grads = []
     for fn in (token_logprobs, shared_prefix_logprobs):
         model.zero_grad(set_to_none=True)
-        lp, _ = fn(model, b["input_ids"], b["attention_mask"], b["response_mask"], chunk=7)
+        lp, _ = fn(model, b["input_ids"], b["attention_mask"], b["response_mask"], chunk=chunk)
         (lp * w).sum().backward()
         grads.append({k: p.grad.clone() for k, p in model.named_parameters()})
     for k in grads[0]:

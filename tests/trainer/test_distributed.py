@@ -190,7 +190,7 @@ def test_one_process_dist_is_the_identity():
 
 
 TRAIN_STEP = textwrap.dedent("""
-    import sys, torch
+    import gc, sys, torch
     from gspo.config import load_config
     from gspo.trainer import Trainer
     from gspo.trainer.distributed import full_model_state, shutdown
@@ -198,48 +198,84 @@ TRAIN_STEP = textwrap.dedent("""
     def starts_with_digit(prompts, completions, **_):
         return [float(bool(c) and c[0].isdigit()) for c in completions]
 
-    out, name, model = sys.argv[1], sys.argv[2], sys.argv[3]
-    strategy = name if name in ("ddp", "fsdp2") else "ddp"
-    cfg = load_config(None, [f"model={model}", f"output_dir={out}", f"run_name={name}",
-        "progress=false", "rollout.max_new_tokens=6", "rollout.prompts_per_step=3",
-        "rollout.group_size=4", "rollout.temperature=1.0", "task.eval_size=0",
-        "optim.lr=1e-3", "objective.num_minibatches=3", "objective.scale_rewards=batch",
-        f"dist.strategy={strategy}"])
-    trainer = Trainer(cfg, reward_fns=[starts_with_digit]).setup()
-    metrics = trainer.train_step()
-    state = full_model_state(trainer.model, trainer.dist) or trainer.model.state_dict()
-    if trainer.dist.is_main:
-        torch.save({"state": state, "metrics": metrics}, f"{out}/{name}.pt")
-    shutdown(trainer)
+    out = sys.argv[1]
+    for job in sys.argv[2:]:  # name:strategy:model, all in these processes (one start-up)
+        name, strategy, model = job.split(":", 2)
+        cfg = load_config(None, [f"model={model}", f"output_dir={out}", f"run_name={name}",
+            "progress=false", "rollout.max_new_tokens=6", "rollout.prompts_per_step=3",
+            "rollout.group_size=4", "rollout.temperature=1.0", "task.eval_size=0",
+            "optim.lr=1e-3", "objective.num_minibatches=3", "objective.scale_rewards=batch",
+            f"dist.strategy={strategy}"])
+        trainer = Trainer(cfg, reward_fns=[starts_with_digit]).setup()
+        metrics = trainer.train_step()
+        state = full_model_state(trainer.model, trainer.dist) or trainer.model.state_dict()
+        if trainer.dist.is_main:
+            torch.save({"state": state, "metrics": metrics}, f"{out}/{name}.pt")
+        del trainer, state
+        gc.collect()
+    shutdown()
 """)
+JOBS = [("ddp", "tiny:llama"), ("fsdp2", "tiny:qwen3_moe")]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["tiny:llama", "tiny:qwen3_moe"])
-def test_a_train_step_under_torchrun_matches_one_process(tmp_path, model):
+def test_a_train_step_under_torchrun_matches_one_process(tmp_path):
     """The whole step (shared prompts, per-prompt sampling, gathered rewards with batch-scaled
-    advantages, sharded rows, global minibatches, reduced metrics) on 2 ranks vs 1."""
+    advantages, sharded rows, global minibatches, reduced metrics) on 2 ranks vs 1: DDP on
+    the dense model, FSDP2 on the MoE model. Exit code 0, no abort at exit."""
     script = tmp_path / "step.py"
     script.write_text(TRAIN_STEP)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    for strategy in ("ddp", "fsdp2"):
-        proc = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD),
-             "--master_port", str(_free_port()), str(script), str(tmp_path), strategy, model],
-            env=env, capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        assert "terminate called" not in proc.stderr
+    multi = [f"{s}:{s}:{m}" for s, m in JOBS]
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD),
+         "--master_port", str(_free_port()), str(script), str(tmp_path), *multi],
+        env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "terminate called" not in proc.stderr
     single_env = {k: v for k, v in env.items() if k not in ("WORLD_SIZE", "RANK")}
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path), "single", model],
+    single = [f"single-{s}:{s}:{m}" for s, m in JOBS]
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path), *single],
                           env=single_env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    want = torch.load(tmp_path / "single.pt")
-    for strategy in ("ddp", "fsdp2"):
+    for strategy, _ in JOBS:
         got = torch.load(tmp_path / f"{strategy}.pt")
+        want = torch.load(tmp_path / f"single-{strategy}.pt")
         err = max(float((got["state"][k] - want["state"][k]).abs().max())
                   for k in want["state"])
         assert err < 1e-5, (strategy, err)
         for key in ("reward/mean", "objective/clip_frac_tokens", "rollout/response_len_mean",
-                    "train/entropy", "objective/approx_kl"):
+                    "train/entropy", "objective/approx_kl", "objective/seq_ratio_std"):
             assert got["metrics"][key] == pytest.approx(want["metrics"][key], rel=1e-4,
                                                         abs=1e-6), key
+
+
+@pytest.mark.slow
+def test_gspo_train_under_torchrun_checkpoints_on_rank_0_and_resumes_in_one_process(tmp_path):
+    """`torchrun -m gspo train` with FSDP2: only rank 0 writes the run folder; the full-weight
+    checkpoint with its name-keyed optimizer state resumes in a plain process. Needs the
+    rank-0 gates in Trainer._make_run_dir / save_checkpoint / _restore / train."""
+    common = ["model=tiny:llama", f"output_dir={tmp_path}", "run_name=r", "progress=false",
+              "tensorboard=false", "rollout.max_new_tokens=5", "rollout.prompts_per_step=3",
+              "rollout.group_size=4", "rollout.temperature=1.0", "task.eval_size=4",
+              "rollout.eval_max_new_tokens=4", "objective.num_minibatches=3", "save_every=1"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD),
+         "--master_port", str(_free_port()), "-m", "gspo", "train", *common, "steps=2",
+         "dist.strategy=fsdp2"], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "terminate called" not in proc.stderr
+    assert proc.stdout.count("run folder:") == 1  # rank 0 speaks
+    run = tmp_path / "r"
+    steps = [json.loads(x)["step"] for x in open(run / "metrics.jsonl")]
+    assert steps == [0, 1, 2, 2]  # one line per step (+ evaluations), not one per rank
+    from safetensors.torch import load_file
+
+    weights = load_file(run / "checkpoints" / "step_000002" / "model.safetensors")
+    assert weights["model.embed_tokens.weight"].shape == (259, 64)  # full, not a shard
+    proc = subprocess.run([sys.executable, "-m", "gspo", "train", *common, "steps=3",
+                           f"resume={run}"], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (run / "checkpoints" / "step_000003").is_dir()

@@ -98,6 +98,24 @@ def test_collapse_signals():
     assert "fell 0.6 below its best (1)" in verdicts[4]  # window mean 0.4
 
 
+def test_only_checkpoints_written_while_healthy_are_good():
+    g = _guard(collapse_entropy_floor=1.0, max_consecutive_faults=3)
+    g.observe({"train/entropy": 2.0})
+    g.saved(1)
+    g.observe({"train/entropy": 2.0, "train/skipped_updates": 1})  # a streak starts
+    g.saved(2)
+    assert g.last_good_step == 1
+    g.observe({"train/entropy": 2.0})
+    g.saved(3)
+    assert g.last_good_step == 3
+    assert g.observe({"train/entropy": 0.5})  # a signal nobody acted on (guard.on_fault=stop)
+    g.saved(4)
+    assert g.last_good_step == 3
+    g.acted(rolled_back=True)
+    g.saved(5)
+    assert g.last_good_step == 5
+
+
 def test_guard_state_round_trips_and_decides_identically():
     kw = {"collapse_reward_drop": 0.3, "collapse_window": 3, "max_consecutive_faults": 3}
     a, b = _guard(**kw), _guard(**kw)
