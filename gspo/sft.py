@@ -102,10 +102,18 @@ def _schedule(cfg: SFTConfig) -> Callable[[int], float]:
 def train_sft(cfg: SFTConfig, log: Callable[[str], None] = print
               ) -> tuple[Any, Any, dict[str, Any]]:
     """Fine-tune ``cfg.base``; return ``(model, tokenizer, info)`` (info: accuracies, times)."""
-    from gspo.rollout.sampler import eos_ids
-
+    threads = torch.get_num_threads()
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
+    try:  # a cold start built inside a run's model loading must not change the run's threads
+        return _train(cfg, log)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train(cfg: SFTConfig, log: Callable[[str], None]) -> tuple[Any, Any, dict[str, Any]]:
+    from gspo.rollout.sampler import eos_ids
+
     start = time.perf_counter()
     model, tokenizer = load_model(cfg.base, seed=cfg.seed)
     task = ArithmeticTask(cfg.levels, [], cfg.operations, [], cfg.eval_size, cfg.seed)
