@@ -308,7 +308,7 @@ class Trainer:
         adv = ADVANTAGES[cfg.objective.advantage](rewards, roll.group_size,
                                                   scale=cfg.objective.scale_rewards)
         first = self.dist.shard(cfg.rollout.prompts_per_step)[0] * roll.group_size
-        adv = adv[first:first + len(roll)]  # this rank's rows
+        adv = adv[first:first + len(roll)].to(self.dist.device)  # this rank's rows
         t["reward"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         batch = {k: v.to(self.dist.device) for k, v in
