@@ -6,9 +6,10 @@
    plain :func:`token_logprobs` and through :func:`gspo.models.packing.shared_prefix_logprobs`
    (patched into the update for the measurement), interleaved. FLOPs are counted with
    ``torch.utils.flop_counter.FlopCounterMode`` (matmuls and attention, forward and backward).
-3. Memory: the log-prob step alone (fp32 head V × H, T positions, forward + backward) in a child
-   process per variant: gspo's chunked ``token_logprobs`` vs a naive ``log_softmax`` over the
-   full [T, V] fp32 logits; peak = VmHWM − RSS before the step.
+3. Memory: the log-prob step alone (fp32 head V × H, T positions) in a child process per
+   variant: gspo's chunked ``token_logprobs`` vs a naive ``log_softmax`` over the full [T, V]
+   fp32 logits; peak = VmHWM − RSS before the step; with the head weight's gradient, without
+   it (the step's own tensors), and without autograd (see :func:`memory_child`).
 
 With one thread, times are CPU seconds of the process (robust to other load on the machine).
 
@@ -126,9 +127,16 @@ def _rss_mb() -> float:
 
 
 def memory_child(spec: dict[str, Any]) -> dict[str, Any]:
-    """Peak extra memory of one log-prob step (forward + backward) at V × H, T positions."""
+    """Peak extra memory of one log-prob step at V × H, T positions.
+
+    ``mode``: ``grad`` (forward + backward, the V × H head/embedding weight trainable, so the
+    peak includes its gradient, which any training step holds), ``activations`` (forward +
+    backward with that weight frozen: only the step's own tensors) or ``no_grad`` (the π_old
+    pass).
+    """
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from benchmarks.common import peak_rss_mb
     from gspo.models.logprobs import token_logprobs
 
     torch.manual_seed(0)
@@ -136,23 +144,32 @@ def memory_child(spec: dict[str, Any]) -> dict[str, Any]:
                       num_attention_heads=8, num_key_value_heads=8, intermediate_size=64,
                       tie_word_embeddings=True)
     model = LlamaForCausalLM(cfg)  # zero layers: embedding, final norm, fp32 head only
+    if spec["mode"] == "activations":  # gradient reaches the hidden states via the norm only
+        model.get_output_embeddings().weight.requires_grad_(False)
     ids = torch.randint(0, spec["vocab"], (1, spec["T"]))
     mask = torch.ones_like(ids)
     target = mask.clone()
     target[:, 0] = 0
     before = _rss_mb()
-    if spec["variant"] == "gspo":
-        lp, _ = token_logprobs(model, ids, mask, target, chunk=spec["chunk"])
-        value = (lp * target).sum()
-    else:  # naive: the full [T, V] fp32 logits and their log_softmax
-        logits = model(input_ids=ids, attention_mask=mask).logits.float()
-        lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-        value = lp.sum()
-    value.backward()
-    from benchmarks.common import peak_rss_mb
+    with torch.set_grad_enabled(spec["mode"] != "no_grad"):
+        if spec["variant"] == "gspo":
+            lp, _ = token_logprobs(model, ids, mask, target, chunk=spec["chunk"])
+            value = (lp * target).sum()
+        elif spec["variant"] == "fused":  # the hand-written backward of gspo.models.packing
+            from gspo.models.packing import head_logprobs
 
-    return {"variant": spec["variant"], "extra_peak_mb": peak_rss_mb() - before,
-            "value": float(value.detach())}
+            hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state[0, :-1]
+            lp, _ = head_logprobs(hidden, model.get_output_embeddings().weight, None,
+                                  ids[0, 1:], chunk=spec["chunk"])
+            value = lp.sum()
+        else:  # naive: the full [T, V] fp32 logits and their log_softmax
+            logits = model(input_ids=ids, attention_mask=mask).logits.float()
+            lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+            value = lp.sum()
+        if spec["mode"] != "no_grad":
+            value.backward()
+    return {"variant": spec["variant"], "mode": spec["mode"],
+            "extra_peak_mb": peak_rss_mb() - before, "value": float(value.detach())}
 
 
 # ----------------------------------------------------------------------------- driver
@@ -193,14 +210,20 @@ def run_update(a: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+MEMORY_MODES = ("grad", "activations", "no_grad")
+MEMORY_VARIANTS = ("gspo", "fused", "naive")  # token_logprobs, packing.head_logprobs, naive
+
+
 def run_memory(a: argparse.Namespace) -> dict[str, Any]:
-    res = {}
-    for variant in ("gspo", "naive"):
-        res[variant] = run_child("benchmarks.bench_update", {
-            "variant": variant, "vocab": a.mem_vocab, "hidden": a.mem_hidden, "T": a.mem_T,
-            "chunk": 256})
-    res["ratio_gspo_over_naive"] = res["gspo"]["extra_peak_mb"] / res["naive"]["extra_peak_mb"]
-    res["logits_mb"] = a.mem_T * a.mem_vocab * 4 / 2**20
+    res: dict[str, Any] = {"logits_mb": a.mem_T * a.mem_vocab * 4 / 2**20,
+                           "head_weight_mb": a.mem_vocab * a.mem_hidden * 4 / 2**20}
+    for mode in MEMORY_MODES:
+        r = {variant: run_child("benchmarks.bench_update", {
+            "variant": variant, "mode": mode, "vocab": a.mem_vocab, "hidden": a.mem_hidden,
+            "T": a.mem_T, "chunk": a.mem_chunk}) for variant in MEMORY_VARIANTS}
+        for v in ("gspo", "fused"):
+            r[f"ratio_{v}_over_naive"] = r[v]["extra_peak_mb"] / r["naive"]["extra_peak_mb"]
+        res[mode] = r
     return res
 
 
@@ -218,6 +241,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--mem-vocab", type=int, default=49152)
     p.add_argument("--mem-hidden", type=int, default=576)
     p.add_argument("--mem-T", type=int, default=1024)
+    p.add_argument("--mem-chunk", type=int, default=256, help="gspo's logprob_chunk")
     p.add_argument("--skip", default="", help="comma list of parts to skip: update,memory")
     p.add_argument("--out", default=None)
     p.add_argument("--tag", default="")
@@ -236,10 +260,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         f" peak); {fmt(x['effective_gflops'], 1)} GFLOP/s plain-equivalent |")
     if "memory" not in skip:
         m = data["memory"] = run_memory(a)
-        rows.append(f"| log-prob step memory, V={a.mem_vocab} T={a.mem_T} | fwd+bwd | "
-                    f"gspo {fmt(m['gspo']['extra_peak_mb'], 0)} MiB vs naive "
-                    f"{fmt(m['naive']['extra_peak_mb'], 0)} MiB | "
-                    f"ratio {fmt(m['ratio_gspo_over_naive'], 3)} |")
+        for mode in MEMORY_MODES:
+            x = m[mode]
+            rows.append(f"| log-prob step peak memory, V={a.mem_vocab} T={a.mem_T}, {mode} | "
+                        f"chunk {a.mem_chunk} | token_logprobs "
+                        f"{fmt(x['gspo']['extra_peak_mb'], 0)} MiB, fused head "
+                        f"{fmt(x['fused']['extra_peak_mb'], 0)} MiB, naive "
+                        f"{fmt(x['naive']['extra_peak_mb'], 0)} MiB | ratios "
+                        f"{fmt(x['ratio_gspo_over_naive'], 2)} / "
+                        f"{fmt(x['ratio_fused_over_naive'], 2)} |")
     name = "update_" + a.model.replace(":", "-").replace("/", "_") + (f"_{a.tag}" if a.tag else "")
     header = "| measurement | setting | result | detail |\n|---|---|---|---|"
     write_result(name, data, header, rows, a.out)

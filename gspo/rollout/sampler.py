@@ -83,7 +83,10 @@ def _next_tokens(logits: torch.Tensor, params: SamplingParams,
     scaled = logits.float()
     if not greedy and params.temperature != 1.0:
         scaled = scaled / params.temperature
-    logp = torch.log_softmax(scaled, dim=-1)
+    # logits − logsumexp, as the trainer computes it (gspo.models.logprobs): on CPU
+    # torch.log_softmax's normaliser runs ~1e-5 low on 49k-way logits (measured), a bias
+    # that would show up in every GSPO sequence ratio.
+    logp = scaled - torch.logsumexp(scaled, dim=-1, keepdim=True)
     if greedy:
         tok = scaled.argmax(-1)
     elif params.top_k == 0 and params.top_p >= 1.0:

@@ -149,12 +149,8 @@ def policy_update(model: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
                     logprobs, mb.old_logprobs, mb.response_mask)}
                 grad_loss = loss * share if d.enabled else loss
                 if moe_out.get("live_logits"):
-                    from gspo.trainer.moe_hooks import aux_loss
-
-                    lb = aux_loss(model, moe_out["live_logits"], mb.attention_mask)
-                    stats = {**stats, "moe/load_balancing_loss": lb.detach()}
-                    loss = loss + moe.aux_loss_coef * lb
-                    grad_loss = grad_loss + (0.0 if empty else moe.aux_loss_coef) * lb
+                    loss, grad_loss, stats = _add_aux_loss(model, moe_out, mb, moe, loss,
+                                                           grad_loss, stats, 0.0 if empty else 1.0)
                 optimizer.zero_grad(set_to_none=True)
                 finite = _all_finite(loss, logprobs, mb.old_logprobs, mb.response_mask)
                 if not _everywhere(finite, d):
@@ -177,14 +173,30 @@ def policy_update(model: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
             stats["train/grad_norm"] = gnorm.detach()
             stats["train/loss"] = loss.detach()
             all_stats.append(stats)
-            on = mb.response_mask > 0
-            counts.append({"rows": 0.0 if empty else float(on.any(-1).sum()),
-                           "tokens": 0.0 if empty else float(on.sum()),
-                           "weight": 0.0 if empty else float(w_global[local + offset].sum())})
+            counts.append(_counts(mb, 0.0 if empty else float(w_global[local + offset].sum())))
     optimizer.zero_grad(set_to_none=True)
     if d.enabled:
         all_stats = reduce_stats(all_stats, counts, d.all_reduce)
     return all_stats, skipped
+
+
+def _add_aux_loss(model: Any, moe_out: dict[str, Any], mb: UpdateBatch, moe: Any,
+                  loss: torch.Tensor, grad_loss: torch.Tensor, stats: dict[str, torch.Tensor],
+                  keep: float) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """Add the router load-balancing loss (``keep`` = 0 on a rank's stand-in row)."""
+    from gspo.trainer.moe_hooks import aux_loss
+
+    lb = aux_loss(model, moe_out["live_logits"], mb.attention_mask)
+    stats = {**stats, "moe/load_balancing_loss": lb.detach()}
+    return (loss + moe.aux_loss_coef * lb, grad_loss + keep * moe.aux_loss_coef * lb, stats)
+
+
+def _counts(mb: UpdateBatch, weight: float) -> dict[str, float]:
+    """What this rank's stats of a minibatch average over (zeros for a stand-in row)."""
+    on = mb.response_mask > 0
+    real = weight > 0
+    return {"rows": float(on.any(-1).sum()) if real else 0.0,
+            "tokens": float(on.sum()) if real else 0.0, "weight": weight}
 
 
 def _everywhere(ok: bool, d: Dist) -> bool:

@@ -53,10 +53,11 @@ def test_update_benchmark_and_memory_step(tmp_path):
                               "--peak-gflop", "0.05", "--out", str(tmp_path)])
     u = data["update"]
     assert u["plain"]["gflop"] > u["packed"]["gflop"] > 0  # packing executes fewer FLOPs
-    for variant in ("gspo", "naive"):
-        m = bench_update.memory_child({"variant": variant, "vocab": 512, "hidden": 32, "T": 64,
-                                       "chunk": 16})
-        assert m["extra_peak_mb"] >= 0 and m["value"] < 0
+    for variant in bench_update.MEMORY_VARIANTS:
+        for mode in bench_update.MEMORY_MODES:
+            m = bench_update.memory_child({"variant": variant, "mode": mode, "vocab": 512,
+                                           "hidden": 32, "T": 64, "chunk": 16})
+            assert m["extra_peak_mb"] >= 0 and m["value"] < 0
 
 
 def test_noise_floor_benchmark(tmp_path):
