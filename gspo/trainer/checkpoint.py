@@ -69,7 +69,8 @@ def _discard(folder: Path) -> None:
 
 
 def save_checkpoint(root: Path, step: int, model: Any, tokenizer: Any, optim_state: dict,
-                    state: dict[str, Any], keep: int, protect: tuple[str, ...] = ()) -> Path:
+                    state: dict[str, Any], keep: int, protect: tuple[str, ...] = (),
+                    state_dict: dict[str, Any] | None = None) -> Path:
     """Write ``root/step_{step}`` atomically, point ``latest`` at it, keep the last ``keep``
     (and the folders named in ``protect``, e.g. the guard's last good checkpoint)."""
     root.mkdir(parents=True, exist_ok=True)
@@ -78,7 +79,7 @@ def save_checkpoint(root: Path, step: int, model: Any, tokenizer: Any, optim_sta
     name = f"step_{step:06d}"
     final, tmp = root / name, root / f".tmp-{name}"
     tmp.mkdir()
-    model.save_pretrained(tmp, safe_serialization=True)
+    model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
     tokenizer.save_pretrained(tmp)
     _phase("weights", step)  # the folder holds weights but no optimizer.pt / state.json yet
     torch.save(optim_state, tmp / "optimizer.pt")

@@ -127,10 +127,10 @@ class Trainer:
         self.run_dir = self._make_run_dir()
         if resume_ckpt is not None:
             self._restore(resume_ckpt)
-        self.logger = with_trackers(
-            MetricsLogger(self.run_dir, cfg.tensorboard,
-                          resume_step=self.step if resume_ckpt else -1),
-            cfg.logging, self.run_dir, to_dict(cfg))
+        logger = MetricsLogger(self.run_dir, cfg.tensorboard,
+                               resume_step=self.step if resume_ckpt else -1)
+        self.logger = (with_trackers(logger, cfg.logging, self.run_dir, to_dict(cfg))
+                       if self.dist.is_main else logger)
         return self
 
     def _resume_checkpoint(self) -> Path | None:
@@ -179,13 +179,18 @@ class Trainer:
             if (run_dir / "metrics.jsonl").exists():
                 raise FileExistsError(f"run folder {run_dir} already holds a run; "
                                       f"pick another run_name or resume={run_dir}")
-            run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+            if self.dist.is_main:
+                run_dir.mkdir(parents=True, exist_ok=True)
+        if self.dist.is_main:  # rank 0 owns the run folder
+            (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        self.dist.barrier()  # every rank has checked the folder before rank 0 writes into it
         return run_dir
 
     def _restore(self, ckpt: Path) -> None:
         optim_state, state = load_checkpoint_state(ckpt)
-        self.optimizer.load_state_dict(optim_state["optimizer"])
+        from gspo.trainer.distributed import load_optimizer_state
+
+        load_optimizer_state(self.model, self.optimizer, optim_state["optimizer"], self.dist)
         self.scheduler.load_state_dict(optim_state["scheduler"])
         self.task.load_state_dict(state["task"])
         torch.set_rng_state(optim_state["torch_rng"])
@@ -207,7 +212,10 @@ class Trainer:
         guard = getattr(self, "guard", None)
         if guard is not None:
             guard.saved(self.step)
-        optim_state = {"optimizer": self.optimizer.state_dict(),
+        from gspo.trainer.distributed import full_model_state, optimizer_state
+
+        model_state = full_model_state(self.model, self.dist)  # FSDP2: collectives, every rank
+        optim_state = {"optimizer": optimizer_state(self.model, self.optimizer, self.dist),
                        "scheduler": self.scheduler.state_dict(),
                        "torch_rng": torch.get_rng_state(), "cuda_rng": cuda_rng_state()}
         state = {"step": self.step, "task": self.task.state_dict(), "history": self.history,
@@ -216,9 +224,13 @@ class Trainer:
                  "guard": guard.state_dict() if guard is not None else None,
                  "rng": extra_rng_state(), "log_sizes": log_sizes(self.run_dir)}
         good = guard.last_good_step if guard is not None else None
-        path = save_checkpoint(self.run_dir / "checkpoints", self.step, self.model,
-                               self.tokenizer, optim_state, state, self.cfg.keep_checkpoints,
-                               protect=() if good is None else (f"step_{good:06d}",))
+        path = self.run_dir / "checkpoints" / f"step_{self.step:06d}"
+        if self.dist.is_main:
+            path = save_checkpoint(self.run_dir / "checkpoints", self.step, self.model,
+                                   self.tokenizer, optim_state, state, self.cfg.keep_checkpoints,
+                                   protect=() if good is None else (f"step_{good:06d}",),
+                                   state_dict=model_state)
+        self.dist.barrier()
         self._saved_step = self.step
         return path
 
@@ -417,11 +429,13 @@ class Trainer:
             self.baseline_eval = self.evaluate()
             self._log_reward_errors(0)
             self.logger.log(0, {f"eval/{k}": v for k, v in self.baseline_eval.items()})
-            print(f"held-out before training: accuracy {self.baseline_eval['accuracy']:.1%} "
-                  f"on {len(self.task.eval_examples)} problems", flush=True)
+            if self.dist.is_main:
+                print(f"held-out before training: accuracy {self.baseline_eval['accuracy']:.1%} "
+                      f"on {len(self.task.eval_examples)} problems", flush=True)
         if cfg.save_every and self._saved_step is None:
             self.save_checkpoint()  # step 0: resumable, and a rollback target, from the start
-        bar = tqdm(total=cfg.steps, initial=self.step, disable=not cfg.progress, desc="train",
+        bar = tqdm(total=cfg.steps, initial=self.step, desc="train",
+                   disable=not cfg.progress or not self.dist.is_main,
                    dynamic_ncols=True)
         while self.step < cfg.steps and stop.requested is None:
             self._step(bar)
@@ -449,7 +463,8 @@ class Trainer:
         if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < cfg.steps:
             metrics.update({f"eval/{k}": v for k, v in self.evaluate().items()})
         self.logger.log(self.step, metrics)
-        if cfg.logging.samples_every and self.step % cfg.logging.samples_every == 0:
+        if (cfg.logging.samples_every and self.step % cfg.logging.samples_every == 0
+                and self.dist.is_main):
             from gspo.trainer.samples import write_samples
 
             p, c, r, f, a = self._last_samples
@@ -472,7 +487,8 @@ class Trainer:
             self.save_checkpoint()
         result = {"steps": self.step, "before": getattr(self, "baseline_eval", None),
                   "after": self.final_eval, "run_dir": str(self.run_dir)}
-        (self.run_dir / "final_eval.json").write_text(json.dumps(result, indent=2))
+        if self.dist.is_main:
+            (self.run_dir / "final_eval.json").write_text(json.dumps(result, indent=2))
         return result
 
     # ------------------------------------------------------------------ reliability

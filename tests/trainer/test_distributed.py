@@ -251,9 +251,6 @@ def test_a_train_step_under_torchrun_matches_one_process(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason="known bug: the FSDP2 run's final checkpoint calls "
-                   "save_pretrained on sharded DTensors (vocab 259 not divisible by 2 ranks) "
-                   "instead of the gathered full state dict")
 def test_gspo_train_under_torchrun_checkpoints_on_rank_0_and_resumes_in_one_process(tmp_path):
     """`torchrun -m gspo train` with FSDP2: only rank 0 writes the run folder; the full-weight
     checkpoint with its name-keyed optimizer state resumes in a plain process. Needs the
