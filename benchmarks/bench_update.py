@@ -7,9 +7,10 @@
    (patched into the update for the measurement), interleaved. FLOPs are counted with
    ``torch.utils.flop_counter.FlopCounterMode`` (matmuls and attention, forward and backward).
 3. Memory: the log-prob step alone (fp32 head V × H, T positions) in a child process per
-   variant: gspo's chunked ``token_logprobs`` vs a naive ``log_softmax`` over the full [T, V]
-   fp32 logits; peak = VmHWM − RSS before the step; with the head weight's gradient, without
-   it (the step's own tensors), and without autograd (see :func:`memory_child`).
+   variant: gspo's ``token_logprobs`` (chunked head with a hand-written backward), autograd with
+   each chunk checkpointed, and a naive ``log_softmax`` over the full [T, V] fp32 logits;
+   peak = VmHWM − RSS before the step; with the head weight's gradient, without it (the step's
+   own tensors), and without autograd (see :func:`memory_child`).
 
 With one thread, times are CPU seconds of the process (robust to other load on the machine).
 
@@ -155,13 +156,16 @@ def memory_child(spec: dict[str, Any]) -> dict[str, Any]:
         if spec["variant"] == "gspo":
             lp, _ = token_logprobs(model, ids, mask, target, chunk=spec["chunk"])
             value = (lp * target).sum()
-        elif spec["variant"] == "fused":  # the hand-written backward of gspo.models.packing
-            from gspo.models.packing import head_logprobs
+        elif spec["variant"] == "checkpoint":  # autograd, each chunk checkpointed
+            from torch.utils.checkpoint import checkpoint
+
+            from gspo.models.logprobs import _chunk_logprobs
 
             hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state[0, :-1]
-            lp, _ = head_logprobs(hidden, model.get_output_embeddings().weight, None,
-                                  ids[0, 1:], chunk=spec["chunk"])
-            value = lp.sum()
+            w, c, y = model.get_output_embeddings().weight, spec["chunk"], ids[0, 1:]
+            value = sum(checkpoint(_chunk_logprobs, hidden[s:s + c], w, None, y[s:s + c], 1.0,
+                                   use_reentrant=False)[0].sum()
+                        for s in range(0, hidden.shape[0], c))
         else:  # naive: the full [T, V] fp32 logits and their log_softmax
             logits = model(input_ids=ids, attention_mask=mask).logits.float()
             lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
@@ -211,7 +215,8 @@ def run_update(a: argparse.Namespace) -> dict[str, Any]:
 
 
 MEMORY_MODES = ("grad", "activations", "no_grad")
-MEMORY_VARIANTS = ("gspo", "fused", "naive")  # token_logprobs, packing.head_logprobs, naive
+# token_logprobs (hand-written chunked head backward), per-chunk autograd checkpointing, naive
+MEMORY_VARIANTS = ("gspo", "checkpoint", "naive")
 
 
 def run_memory(a: argparse.Namespace) -> dict[str, Any]:
@@ -221,7 +226,7 @@ def run_memory(a: argparse.Namespace) -> dict[str, Any]:
         r = {variant: run_child("benchmarks.bench_update", {
             "variant": variant, "mode": mode, "vocab": a.mem_vocab, "hidden": a.mem_hidden,
             "T": a.mem_T, "chunk": a.mem_chunk}) for variant in MEMORY_VARIANTS}
-        for v in ("gspo", "fused"):
+        for v in ("gspo", "checkpoint"):
             r[f"ratio_{v}_over_naive"] = r[v]["extra_peak_mb"] / r["naive"]["extra_peak_mb"]
         res[mode] = r
     return res
@@ -264,11 +269,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             x = m[mode]
             rows.append(f"| log-prob step peak memory, V={a.mem_vocab} T={a.mem_T}, {mode} | "
                         f"chunk {a.mem_chunk} | token_logprobs "
-                        f"{fmt(x['gspo']['extra_peak_mb'], 0)} MiB, fused head "
-                        f"{fmt(x['fused']['extra_peak_mb'], 0)} MiB, naive "
+                        f"{fmt(x['gspo']['extra_peak_mb'], 0)} MiB, checkpointed chunks "
+                        f"{fmt(x['checkpoint']['extra_peak_mb'], 0)} MiB, naive "
                         f"{fmt(x['naive']['extra_peak_mb'], 0)} MiB | ratios "
                         f"{fmt(x['ratio_gspo_over_naive'], 2)} / "
-                        f"{fmt(x['ratio_fused_over_naive'], 2)} |")
+                        f"{fmt(x['ratio_checkpoint_over_naive'], 2)} |")
     name = "update_" + a.model.replace(":", "-").replace("/", "_") + (f"_{a.tag}" if a.tag else "")
     header = "| measurement | setting | result | detail |\n|---|---|---|---|"
     write_result(name, data, header, rows, a.out)

@@ -1,8 +1,10 @@
 """Per-token log-probabilities of given tokens, in fp32, without (B, T, V) fp32 logits at once.
 
 The backbone runs once; the output layer and log-softmax run over the response positions only,
-``chunk`` positions at a time. Under autograd each chunk is checkpointed, so its logits are
-recomputed in backward instead of being kept: peak extra memory is one chunk of logits.
+``chunk`` positions at a time. Under autograd the head runs through :class:`ChunkedHeadLogprobs`,
+whose hand-written backward rebuilds one chunk of logits at a time and turns it in place into its
+own gradient, so the peak extra memory is about one [chunk, V] fp32 buffer (autograd with
+per-chunk checkpointing holds three to five; benchmarks/bench_update.py measures both).
 """
 
 from __future__ import annotations
@@ -10,7 +12,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 # Config attributes of heads that do more than a linear layer; those models take the slow path.
 _HEAD_EXTRAS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier")
@@ -44,6 +45,81 @@ def _chunk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     return picked - lse, entropy
 
 
+class ChunkedHeadLogprobs(torch.autograd.Function):
+    """log_softmax(h Wᵀ + b)[y] / T-scaled, chunk by chunk, with a hand-written backward.
+
+    Forward keeps only ``h``, ``W``, ``b``, ``y`` and one logsumexp per row; backward
+    recomputes one chunk of logits at a time and turns it *in place* into
+    ∂lp/∂z = onehot(y) − softmax(z), so the peak is about one [chunk, V] fp32 buffer (autograd
+    with checkpointing holds three to five). Same values as :func:`_chunk_logprobs`.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                labels: torch.Tensor, temperature: float, chunk: int,
+                with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        out, ent = torch.empty_like(lse), torch.zeros_like(lse)
+        w, b = weight.float(), None if bias is None else bias.float()
+        for s in range(0, hidden.shape[0], chunk):
+            z = torch.nn.functional.linear(hidden[s:s + chunk].float(), w, b).div_(temperature)
+            lse[s:s + chunk] = torch.logsumexp(z, dim=-1)
+            out[s:s + chunk] = z.gather(-1, labels[s:s + chunk, None]).squeeze(-1)
+            if with_entropy:  # H = lse − Σ p z
+                ent[s:s + chunk] = lse[s:s + chunk] - (torch.softmax(z, -1) * z).sum(-1)
+        ctx.save_for_backward(hidden, weight, bias, labels, lse)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        ctx.mark_non_differentiable(ent)
+        return out - lse, ent
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor, _: Any) -> tuple[torch.Tensor | None, ...]:
+        hidden, weight, bias, labels, lse = ctx.saved_tensors
+        t, chunk = ctx.temperature, ctx.chunk
+        w, b = weight.float(), None if bias is None else bias.float()
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        g_h = torch.zeros_like(hidden, dtype=torch.float32) if need_h else None
+        g_w = torch.zeros_like(w) if need_w else None
+        g_b = torch.zeros_like(b) if need_b and b is not None else None
+        for s in range(0, hidden.shape[0], chunk):
+            h, y, g = hidden[s:s + chunk].float(), labels[s:s + chunk], grad[s:s + chunk] / t
+            z = torch.nn.functional.linear(h, w, b).div_(t)
+            dz = z.sub_(lse[s:s + chunk, None]).exp_().mul_(-g[:, None])  # −g·softmax, in place
+            dz[torch.arange(len(y), device=y.device), y] += g  # + g·onehot(y)
+            if g_h is not None:
+                g_h[s:s + chunk] = dz @ w
+            if g_w is not None:
+                g_w.addmm_(dz.t(), h)
+            if g_b is not None:
+                g_b += dz.sum(0)
+        cast = lambda x, like: None if x is None else x.to(like.dtype)  # noqa: E731
+        return (cast(g_h, hidden), cast(g_w, weight),
+                None if bias is None else cast(g_b, bias), None, None, None, None)
+
+
+def head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  labels: torch.Tensor, *, temperature: float = 1.0, chunk: int = 256,
+                  with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log π(y | h) [M], entropy [M]) through the output layer, in fp32, chunk rows at a time.
+
+    Under autograd it runs :class:`ChunkedHeadLogprobs`; without, plain chunks. The entropy
+    never carries a gradient. Args: hidden [M, H], weight [V, H], bias [V], labels [M].
+    """
+    if torch.is_grad_enabled():
+        return ChunkedHeadLogprobs.apply(hidden, weight, bias, labels, temperature, chunk,
+                                         with_entropy)
+    lps, ents = [], []
+    for s in range(0, hidden.shape[0], chunk):
+        lp, ent = _chunk_logprobs(hidden[s:s + chunk], weight, bias, labels[s:s + chunk],
+                                  temperature, with_entropy)
+        lps.append(lp)
+        ents.append(ent)
+    if not lps:
+        empty = hidden.new_zeros(0, dtype=torch.float32)
+        return empty, empty
+    return torch.cat(lps), torch.cat(ents).detach()
+
+
 def token_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                    target_mask: torch.Tensor, *, temperature: float = 1.0, chunk: int = 256,
                    position_ids: torch.Tensor | None = None,
@@ -71,24 +147,18 @@ def token_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Te
                        position_ids=position_ids, use_cache=False).logits
         hidden, weight, bias = logits, None, None
     picked = hidden[rows, cols]  # hidden state (or logits) that predicts each target token
-    out_lp, out_ent = [], []
-    for start in range(0, picked.shape[0], chunk):
-        h, y = picked[start:start + chunk], labels[start:start + chunk]
-        if weight is None:
-            logits = h.float() / temperature
-            lp = logits.gather(-1, y[:, None]).squeeze(-1) - torch.logsumexp(logits, -1)
-            ent = torch.zeros_like(lp).detach()
-        elif torch.is_grad_enabled():
-            lp, ent = checkpoint(_chunk_logprobs, h, weight, bias, y, temperature, with_entropy,
-                                 use_reentrant=False)
-        else:
-            lp, ent = _chunk_logprobs(h, weight, bias, y, temperature, with_entropy)
-        out_lp.append(lp)
-        out_ent.append(ent)
+    if weight is not None:
+        lp, ent = head_logprobs(picked, weight, bias, labels, temperature=temperature,
+                                chunk=chunk, with_entropy=with_entropy)
+    else:  # the model's own logits (a head that is not a plain linear layer)
+        logits = picked.float() / temperature
+        lp = logits.gather(-1, labels[:, None]).squeeze(-1) - torch.logsumexp(logits, -1)
+        with torch.no_grad():
+            ent = (torch.logsumexp(logits, -1) - (torch.softmax(logits, -1) * logits).sum(-1)
+                   if with_entropy else torch.zeros_like(lp))
     shape = target_mask.shape
     logprobs = torch.zeros(shape, dtype=torch.float32, device=input_ids.device)
     entropy = torch.zeros(shape, dtype=torch.float32, device=input_ids.device)
-    if out_lp:
-        logprobs = logprobs.index_put((rows, cols + 1), torch.cat(out_lp))
-        entropy = entropy.index_put((rows, cols + 1), torch.cat(out_ent).detach())
+    logprobs = logprobs.index_put((rows, cols + 1), lp)
+    entropy = entropy.index_put((rows, cols + 1), ent)
     return logprobs, entropy

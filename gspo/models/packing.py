@@ -12,9 +12,7 @@ Same signature and outputs as :func:`gspo.models.logprobs.token_logprobs`; it fa
 for models whose head is not a plain linear layer, with activation checkpointing on (which
 disables the cache), or when no prompt is shared.
 
-The output layer runs through :func:`head_logprobs`, whose backward rebuilds one chunk of
-logits at a time and overwrites it in place with its own gradient (about one [chunk, V] fp32
-buffer at the peak, instead of the three to five that autograd with checkpointing keeps).
+The output layer runs through :func:`gspo.models.logprobs.head_logprobs`, as in the plain path.
 """
 
 from __future__ import annotations
@@ -23,7 +21,7 @@ from typing import Any
 
 import torch
 
-from gspo.models.logprobs import _chunk_logprobs, _split, token_logprobs
+from gspo.models.logprobs import _split, head_logprobs, token_logprobs
 
 
 def _prefixes(input_ids: torch.Tensor,
@@ -36,78 +34,6 @@ def _prefixes(input_ids: torch.Tensor,
     for row, s in enumerate(starts.tolist()):
         owner.append(seen.setdefault(tuple(ids[row][:s]), len(seen)))
     return [list(k) for k in seen], torch.tensor(owner, device=input_ids.device), starts
-
-
-class ChunkedHeadLogprobs(torch.autograd.Function):
-    """log_softmax(h Wᵀ + b)[y] / T-scaled, chunk by chunk, with a hand-written backward.
-
-    Forward keeps only ``h``, ``W``, ``b``, ``y`` and one logsumexp per row; backward
-    recomputes one chunk of logits at a time and turns it *in place* into
-    ∂lp/∂z = onehot(y) − softmax(z), so the peak is about one [chunk, V] fp32 buffer (autograd
-    with checkpointing holds three to five). Same values as :func:`_chunk_logprobs`.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                labels: torch.Tensor, temperature: float, chunk: int) -> torch.Tensor:
-        lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
-        out = torch.empty_like(lse)
-        w, b = weight.float(), None if bias is None else bias.float()
-        for s in range(0, hidden.shape[0], chunk):
-            z = torch.nn.functional.linear(hidden[s:s + chunk].float(), w, b).div_(temperature)
-            lse[s:s + chunk] = torch.logsumexp(z, dim=-1)
-            out[s:s + chunk] = z.gather(-1, labels[s:s + chunk, None]).squeeze(-1)
-        ctx.save_for_backward(hidden, weight, bias, labels, lse)
-        ctx.temperature, ctx.chunk = temperature, chunk
-        return out - lse
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        hidden, weight, bias, labels, lse = ctx.saved_tensors
-        t, chunk = ctx.temperature, ctx.chunk
-        w, b = weight.float(), None if bias is None else bias.float()
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        g_h = torch.zeros_like(hidden, dtype=torch.float32) if need_h else None
-        g_w = torch.zeros_like(w) if need_w else None
-        g_b = torch.zeros_like(b) if need_b and b is not None else None
-        for s in range(0, hidden.shape[0], chunk):
-            h, y, g = hidden[s:s + chunk].float(), labels[s:s + chunk], grad[s:s + chunk] / t
-            z = torch.nn.functional.linear(h, w, b).div_(t)
-            dz = z.sub_(lse[s:s + chunk, None]).exp_().mul_(-g[:, None])  # −g·softmax, in place
-            dz[torch.arange(len(y), device=y.device), y] += g  # + g·onehot(y)
-            if g_h is not None:
-                g_h[s:s + chunk] = dz @ w
-            if g_w is not None:
-                g_w.addmm_(dz.t(), h)
-            if g_b is not None:
-                g_b += dz.sum(0)
-        cast = lambda x, like: None if x is None else x.to(like.dtype)  # noqa: E731
-        return (cast(g_h, hidden), cast(g_w, weight),
-                None if bias is None else cast(g_b, bias), None, None, None)
-
-
-def head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                  labels: torch.Tensor, *, temperature: float = 1.0, chunk: int = 256,
-                  with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log π(y | h) [M], entropy [M]) through the output layer, in fp32, chunk rows at a time.
-
-    Under autograd it runs :class:`ChunkedHeadLogprobs`; without, plain chunks (and the
-    entropy, which never carries a gradient). Args: hidden [M, H], weight [V, H], bias [V],
-    labels [M].
-    """
-    if torch.is_grad_enabled() and not with_entropy:
-        lp = ChunkedHeadLogprobs.apply(hidden, weight, bias, labels, temperature, chunk)
-        return lp, torch.zeros_like(lp.detach())
-    lps, ents = [], []
-    for s in range(0, hidden.shape[0], chunk):
-        lp, ent = _chunk_logprobs(hidden[s:s + chunk], weight, bias, labels[s:s + chunk],
-                                  temperature, with_entropy)
-        lps.append(lp)
-        ents.append(ent)
-    if not lps:
-        empty = hidden.new_zeros(0, dtype=torch.float32)
-        return empty, empty
-    return torch.cat(lps), torch.cat(ents).detach()
 
 
 def shared_prefix_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
