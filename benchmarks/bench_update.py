@@ -4,7 +4,7 @@
 2. Update phase = the π_old pass (no grad, with entropy) + gspo's ``policy_update`` (GSPO,
    ``minibatches`` AdamW steps) on one rollout batch (B prompts × G responses), through the
    plain :func:`token_logprobs` and through :func:`gspo.models.packing.shared_prefix_logprobs`
-   (patched into the update for the measurement), interleaved. FLOPs are counted with
+   (``logprob_packing``, the default), interleaved. FLOPs are counted with
    ``torch.utils.flop_counter.FlopCounterMode`` (matmuls and attention, forward and backward).
 3. Memory: the log-prob step alone (fp32 head V × H, T positions) in a child process per
    variant: gspo's ``token_logprobs`` (chunked head with a hand-written backward), autograd with
@@ -20,7 +20,6 @@ With one thread, times are CPU seconds of the process (robust to other load on t
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 from pathlib import Path
 from typing import Any
@@ -62,20 +61,12 @@ def matmul_peak(shapes: list[tuple[int, int, int]], threads: int, reps: int = 5,
 
 
 # ----------------------------------------------------------------------------- 2. update
-@contextlib.contextmanager
-def logprob_path(packed: bool):
-    """Point gspo's update (and this benchmark's π_old pass) at the chosen log-prob function."""
-    import gspo.trainer.update as update_module
+def logprob_path(packed: bool) -> Any:
+    """The log-prob function of the trainer's passes: ``logprob_packing`` on or off."""
     from gspo.models.logprobs import token_logprobs
     from gspo.models.packing import shared_prefix_logprobs
 
-    fn = shared_prefix_logprobs if packed else token_logprobs
-    saved = update_module.token_logprobs
-    update_module.token_logprobs = fn
-    try:
-        yield fn
-    finally:
-        update_module.token_logprobs = saved
+    return shared_prefix_logprobs if packed else token_logprobs
 
 
 def rollout_batch(tok: Any, prompts: int, group: int, response_len: int,
@@ -96,19 +87,20 @@ def update_phase(model: Any, optimizer: Any, batch: dict[str, torch.Tensor], *, 
     from gspo.config import ObjectiveConfig
     from gspo.trainer.update import UpdateBatch, policy_update
 
-    with logprob_path(packed) as logprobs_fn:
-        model.eval()
-        with torch.no_grad():
-            old, _ = logprobs_fn(model, batch["input_ids"], batch["attention_mask"],
-                                 batch["response_mask"], with_entropy=True)
-        n = batch["input_ids"].shape[0]
-        adv = torch.randn(n, generator=torch.Generator().manual_seed(seed))
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
-        policy_update(model, optimizer, scheduler,
-                      UpdateBatch(batch["input_ids"], batch["attention_mask"],
-                                  batch["response_mask"], old, adv),
-                      objective=ObjectiveConfig(num_minibatches=minibatches), temperature=1.0,
-                      chunk=256, grad_clip=1.0, generator=torch.Generator().manual_seed(seed))
+    logprobs_fn = logprob_path(packed)
+    model.eval()
+    with torch.no_grad():
+        old, _ = logprobs_fn(model, batch["input_ids"], batch["attention_mask"],
+                             batch["response_mask"], with_entropy=True)
+    n = batch["input_ids"].shape[0]
+    adv = torch.randn(n, generator=torch.Generator().manual_seed(seed))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    policy_update(model, optimizer, scheduler,
+                  UpdateBatch(batch["input_ids"], batch["attention_mask"],
+                              batch["response_mask"], old, adv),
+                  objective=ObjectiveConfig(num_minibatches=minibatches), temperature=1.0,
+                  chunk=256, grad_clip=1.0, generator=torch.Generator().manual_seed(seed),
+                  logprob_fn=logprobs_fn)
 
 
 def count_flops(fn: Any) -> float:
@@ -182,7 +174,7 @@ def run_update(a: argparse.Namespace) -> dict[str, Any]:
 
     model, tok = load_model(a.model)
     batch = rollout_batch(tok, a.prompts, a.group_size, a.response_len)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-7)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-7, fused=True)  # as the trainer
     flops = {}
     for packed in (False, True):
         flops[packed] = count_flops(lambda p=packed: update_phase(

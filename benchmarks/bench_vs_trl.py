@@ -12,8 +12,9 @@ the π_old log-prob pass, then ``minibatches`` AdamW steps of N / minibatches ro
 
 With gradient_accumulation_steps (1) not a multiple of steps_per_generation (2), TRL runs its
 own π_old log-prob pass, as gspo does (``objective.old_logprobs=recompute``), so the work is
-the same up to gspo's shared prompt prefill in generation and its response-only LM head.
-The arm ``gspo_proposed`` adds the update-path proposals (see :func:`_apply_proposals`).
+the same. gspo's savings are its own: one prompt prefill per group in generation, each distinct
+prompt run once in the log-prob passes, the LM head on response positions only. Other gspo arms
+are listed in :data:`GSPO_ARMS`.
 
 Each arm runs in its own child process (peak RSS = the child's VmHWM); arms alternate
 A B C, C B A, ... so that load from other processes falls on all. With one thread (the
@@ -78,35 +79,16 @@ def _step(wall: float, cpu: float, rollout: tuple[float, float], response_tokens
             **extra}
 
 
-def _apply_proposals(trainer: Any) -> None:
-    """The update-path proposals, patched in for measurement (not what gspo ships today).
-
-    1. Every log-prob pass runs each distinct prompt once (:mod:`gspo.models.packing`).
-    2. With ``objective.old_logprobs=rollout`` the trainer still recomputes π_old (for a gap
-       metric and the entropy); here that pass is skipped and the sampler's fp32 log-probs
-       are used (bench_noise_floor measures them equal to the trainer's to ~1e-6).
-    """
-    import torch
-
-    import gspo.trainer.trainer as trainer_module
-    import gspo.trainer.update as update_module
-    from gspo.models.packing import shared_prefix_logprobs
-
-    update_module.token_logprobs = shared_prefix_logprobs
-    trainer_module.token_logprobs = shared_prefix_logprobs
-    # 3. Fused AdamW (same update rule, one kernel over all parameters; TRL's default too).
-    lr_lambda = trainer.scheduler.lr_lambdas[0]
-    trainer.optimizer = torch.optim.AdamW(
-        [p for p in trainer.model.parameters() if p.requires_grad], lr=trainer.cfg.optim.lr,
-        betas=tuple(trainer.cfg.optim.betas), weight_decay=trainer.cfg.optim.weight_decay,
-        fused=True)
-    trainer.scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, lr_lambda)
-
-    def rollout_logprobs(batch: dict[str, Any]) -> tuple[Any, Any, None]:
-        # (log π_old, entropy, MoE routing), the triple Trainer.train_step unpacks
-        return batch["old_logprobs"], torch.zeros_like(batch["old_logprobs"]), None
-
-    trainer.old_logprobs = rollout_logprobs
+# Extra overrides of each gspo arm over the shared settings. "gspo" is gspo as shipped (the
+# defaults: shared-prompt log-prob packing, fused AdamW, π_old recomputed in fp32) and does the
+# same work as TRL; "gspo_plain" switches packing and the fused optimizer off; "gspo_rollout_lp"
+# takes π_old from the sampler's fp32 log-probs and skips the trainer's π_old pass (the paper's
+# Sec. 5.4 setting: less work than TRL, which always recomputes here).
+GSPO_ARMS: dict[str, list[str]] = {
+    "gspo": [],
+    "gspo_plain": ["logprob_packing=false", "optim.fused=false"],
+    "gspo_rollout_lp": ["objective.old_logprobs=rollout", "logging.rollout_check_every=0"],
+}
 
 
 def run_gspo(spec: dict[str, Any]) -> dict[str, Any]:
@@ -133,11 +115,8 @@ def run_gspo(spec: dict[str, Any]) -> dict[str, Any]:
             f"rollout.temperature={spec['temperature']}", "rollout.top_p=1.0", "rollout.top_k=0",
             f"objective.num_minibatches={spec['minibatches']}", "objective.eps_low=3e-4",
             "objective.eps_high=4e-4", "objective.beta=0.0", f"optim.lr={spec['lr']}",
-            "optim.grad_clip=1.0",
-            *(["objective.old_logprobs=rollout"] if spec["arm"] == "gspo_proposed" else [])])
+            "optim.grad_clip=1.0", *GSPO_ARMS[spec["arm"]]])
         trainer = Trainer(cfg, reward_fns=[distinct_words], model=model, tokenizer=tok).setup()
-        if spec["arm"] == "gspo_proposed":
-            _apply_proposals(trainer)
         rollout_t: list[tuple[float, float]] = []
         old_t: list[tuple[float, float]] = []
         trainer.rollout = _timed(trainer.rollout, rollout_t)
@@ -148,9 +127,10 @@ def run_gspo(spec: dict[str, Any]) -> dict[str, Any]:
             m = trainer.train_step()
             w1, c1 = now()
             trainer.step += 1
+            old = old_t.pop() if old_t else (0.0, 0.0)  # (0, 0): the step skipped the pass
             steps.append(_step(w1 - w0, c1 - c0, rollout_t[k], m["rollout/response_len_mean"] * n,
                                m["perf/update_tokens_per_s"] * m["time/update_s"],
-                               old_logprobs_s=old_t[k][0], old_logprobs_cpu_s=old_t[k][1]))
+                               old_logprobs_s=old[0], old_logprobs_cpu_s=old[1]))
     return {"arm": spec["arm"], "steps": steps}
 
 
@@ -211,7 +191,7 @@ def run_trl(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:
-    return {"gspo": run_gspo, "gspo_proposed": run_gspo, "trl": run_trl}[spec["arm"]](spec)
+    return (run_trl if spec["arm"] == "trl" else run_gspo)(spec)
 
 
 # ----------------------------------------------------------------------------- driver
@@ -235,7 +215,7 @@ def summarize(results: list[dict[str, Any]], warmup: int, clock: str) -> dict[st
             "tokens": median([s["tokens"] for s in steps]),
             "peak_rss_mb": max(r["peak_rss_mb"] for r in results if r["arm"] == arm),
             "n_steps": len(steps)}
-        if arm.startswith("gspo"):  # its π_old pass (skipped by gspo_proposed)
+        if arm.startswith("gspo"):  # its π_old pass (skipped by gspo_rollout_lp)
             out[arm]["old_logprobs_s"] = median([s["old_logprobs" + sfx] for s in steps])
     ratio = {}  # per gspo arm: speed-up over TRL (> 1: gspo faster); memory: gspo / TRL
     t = out.get("trl")
@@ -292,8 +272,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--warmup", type=int, default=1, help="first steps of each child not counted")
     p.add_argument("--reps", type=int, default=2, help="children per arm (alternating)")
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--arms", default="gspo,gspo_proposed,trl",
-                   help="gspo (as shipped), gspo_proposed (update-path proposals), trl")
+    p.add_argument("--arms", default="gspo,gspo_plain,gspo_rollout_lp,trl",
+                   help=f"comma list of {', '.join(GSPO_ARMS)}, trl (see GSPO_ARMS)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
     p.add_argument("--tag", default="", help="suffix of the result file name")

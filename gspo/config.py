@@ -115,6 +115,7 @@ class OptimConfig:
     weight_decay: float = _f(0.0, "AdamW weight decay")
     betas: list[float] = _f([0.9, 0.999], "AdamW betas")
     grad_clip: float = _f(1.0, "max global grad norm (0 = off)")
+    fused: bool = _f(True, "fused AdamW kernel (same update rule; off under FSDP2)")
     warmup_steps: int = _f(0, "linear warm-up steps")
     schedule: Literal["constant", "cosine", "linear"] = _f("constant", "lr schedule after warm-up")
 
@@ -122,7 +123,8 @@ class OptimConfig:
 @dataclass
 class MoEConfig:
     routing_replay: Literal["off", "r2", "r3"] = _f(
-        "off", "reuse π_old's expert choices: r2 = trainer-recorded, r3 = rollout-recorded")
+        "off", "reuse π_old's expert choices: r2 = trainer-recorded, r3 = rollout-recorded "
+        "(rollout.engine=hf)")
     aux_loss_coef: float = _f(0.0, "router load-balancing loss coefficient (0 = off)")
     log_routing_change: bool = _f(True, "log the fraction of (token, layer) whose experts changed")
 
@@ -142,6 +144,9 @@ class LoggingConfig:
     wandb_project: str = _f("", "also log to Weights & Biases under this project (if installed)")
     trackio_project: str = _f("", "also log to trackio under this project (if installed)")
     samples_every: int = _f(10, "write sample completions to samples.jsonl every k steps (0: off)")
+    rollout_check_every: int = _f(
+        1, "with objective.old_logprobs=rollout, still recompute π_old every k steps to log the "
+        "rollout-vs-trainer gap and the entropy (0: never, which saves that pass; MoE always does)")
 
 
 @dataclass
@@ -179,6 +184,7 @@ class SFTConfig:
     warmup_steps: int = _f(20, "linear warm-up steps")
     weight_decay: float = _f(0.0, "AdamW weight decay")
     grad_clip: float = _f(1.0, "max global grad norm (0 = off)")
+    fused: bool = _f(True, "fused AdamW kernel (same update rule; off under FSDP2)")
     seed: int = _f(0, "seed of the initialisation and of the problem draws")
     chat_template: bool = _f(True, "use the chat template (match the run's task.chat_template)")
     system_prompt: str = _f("", "chat template's system message (match task.system_prompt)")
@@ -206,6 +212,8 @@ class TrainConfig:
     resume: str = _f("", "run folder to resume from its latest checkpoint")
     dtype: Literal["float32", "bfloat16"] = _f("float32", "parameter and compute dtype")
     logprob_chunk: int = _f(256, "positions per chunk when computing fp32 log-probs")
+    logprob_packing: bool = _f(
+        True, "trainer log-prob passes run each distinct prompt once (dense models, not FSDP2)")
     gradient_checkpointing: bool = _f(False, "recompute activations in backward (saves memory)")
     save_every: int = _f(0, "checkpoint every k steps (0: only at the end)")
     keep_checkpoints: int = _f(2, "how many recent checkpoints to keep")

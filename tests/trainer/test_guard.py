@@ -17,7 +17,6 @@ from gspo.cli import EXIT_GUARD_STOP, main
 from gspo.config import ReliabilityConfig, load_config
 from gspo.trainer import Trainer
 from gspo.trainer import guard as guard_module
-from gspo.trainer import update as update_module
 from gspo.trainer.guard import Guard, GuardStop
 from gspo.trainer.update import _all_finite
 
@@ -48,7 +47,7 @@ def _ckpt(trainer, step):
 def _poison(monkeypatch, trainer, bad_steps, corrupt_at=None):
     """Log-probs are NaN during ``bad_steps``; at ``corrupt_at`` the weights are wrecked first
     (what a bad update would leave behind)."""
-    real_logprobs, real_step = update_module.token_logprobs, trainer.train_step
+    real_logprobs, real_step = trainer.logprob_fn, trainer.train_step
 
     def logprobs(*args, **kwargs):
         lp, ent = real_logprobs(*args, **kwargs)
@@ -61,7 +60,7 @@ def _poison(monkeypatch, trainer, bad_steps, corrupt_at=None):
                     p.add_(1.0)
         return real_step()
 
-    monkeypatch.setattr(update_module, "token_logprobs", logprobs)
+    monkeypatch.setattr(trainer, "logprob_fn", logprobs)
     monkeypatch.setattr(trainer, "train_step", train_step)
 
 

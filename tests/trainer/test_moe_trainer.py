@@ -44,3 +44,95 @@ def test_moe_options_on_a_dense_model_are_an_error(tmp_path):
     with pytest.raises(ConfigError, match="dense"):
         Trainer(cfg, reward_fns=[first_char_digit]).setup()
     assert not any(tmp_path.iterdir())
+
+
+def _r3_trainer(tmp_path, name, *extra):
+    cfg = load_config(None, [
+        f"output_dir={tmp_path}", f"run_name={name}", "progress=false", "steps=2",
+        "model=tiny:qwen3_moe", "rollout.max_new_tokens=6", "rollout.prompts_per_step=2",
+        "rollout.group_size=4", "task.eval_size=0", "eval_before=false", "optim.lr=1e-2",
+        "moe.routing_replay=r3", "objective.num_minibatches=4", *extra])
+    return Trainer(cfg, reward_fns=[first_char_digit]).setup()
+
+
+def _metrics(trainer):
+    return [json.loads(x) for x in open(trainer.run_dir / "metrics.jsonl")]
+
+
+def test_r3_replays_the_rollout_routing_and_the_router_still_learns(tmp_path, monkeypatch):
+    import contextlib
+
+    import torch
+
+    import gspo.trainer.moe_hooks as hooks
+    from gspo.models.moe import router_modules
+
+    replays, real = [], hooks.replay_routing
+
+    @contextlib.contextmanager
+    def spy(model, indices):
+        with real(model, indices) as replayer:
+            yield replayer
+        replays.append(replayer.calls)
+
+    monkeypatch.setattr(hooks, "replay_routing", spy)
+    trainer = _r3_trainer(tmp_path, "r3")
+    before = [r.weight.detach().clone() for r in router_modules(trainer.model)]
+    trainer.train()
+    rows = [r for r in _metrics(trainer) if "moe/rollout_routing_mismatch" in r]
+    assert len(rows) == 2
+    # fp32 on CPU: the sampler's incremental forwards route exactly like the trainer's recompute
+    assert all(r["moe/rollout_routing_mismatch"] == 0.0 for r in rows)
+    assert len(replays) == 2 * 4 and all(c > 0 for c in replays)  # every minibatch replayed
+    after = router_modules(trainer.model)
+    assert all(not torch.equal(b, a.weight) for b, a in zip(before, after))  # gate gradients
+
+
+def test_r3_replays_what_the_rollout_recorded_not_the_recompute(tmp_path, monkeypatch):
+    """Shift every rollout-recorded expert by one: the update must replay the shifted experts at
+    the positions the rollout saw, the trainer's own π_old routing elsewhere, and the metric must
+    count every seen response token as mismatched."""
+    import torch
+
+    import gspo.trainer.trainer as trainer_mod
+
+    seen = {}
+    real_generate, real_update = trainer_mod.generate, trainer_mod.policy_update
+    real_old = Trainer.old_logprobs
+
+    def shifted_generate(*args, **kwargs):
+        assert kwargs.get("record_routing") is True
+        roll = real_generate(*args, **kwargs)
+        roll.routing = [torch.where(r >= 0, (r + 1) % 8, r) for r in roll.routing]
+        seen["rollout"] = roll.routing
+        return roll
+
+    def old_logprobs(self, batch):
+        out = real_old(self, batch)
+        seen["r2"] = out[2]
+        return out
+
+    def update(model, optimizer, scheduler, batch, **kwargs):
+        seen["replayed"], seen["replay"] = batch.routing, batch.replay
+        return real_update(model, optimizer, scheduler, batch, **kwargs)
+
+    monkeypatch.setattr(trainer_mod, "generate", shifted_generate)
+    monkeypatch.setattr(trainer_mod, "policy_update", update)
+    monkeypatch.setattr(Trainer, "old_logprobs", old_logprobs)
+    trainer = _r3_trainer(tmp_path, "r3shift", "steps=1")
+    metrics = trainer.train_step()
+    assert metrics["moe/rollout_routing_mismatch"] == 1.0
+    assert seen["replay"] is True
+    for rolled, r2, replayed in zip(seen["rollout"], seen["r2"], seen["replayed"]):
+        known = (rolled >= 0).all(-1)
+        assert known.any() and not known.all()
+        assert torch.equal(replayed[known], rolled[known])
+        assert torch.equal(replayed[~known], r2[~known])
+        assert not torch.equal(replayed, r2)
+
+
+def test_r3_with_an_engine_that_cannot_record_is_an_error(tmp_path):
+    cfg = load_config(None, ["model=tiny:qwen3_moe", "moe.routing_replay=r3",
+                             "rollout.engine=vllm", f"output_dir={tmp_path}"])
+    with pytest.raises(ConfigError, match=r"rollout\.engine=vllm cannot return"):
+        Trainer(cfg, reward_fns=[first_char_digit]).setup()

@@ -70,3 +70,42 @@ def test_resume_is_bit_identical(tmp_path):
         assert torch.equal(a[k], b[k]), k
     steps = [json.loads(x)["step"] for x in open(first.run_dir / "metrics.jsonl")]
     assert steps == sorted(steps) and steps.count(3) == 1
+
+
+def test_packed_and_plain_logprob_paths_give_the_same_update(tmp_path):
+    """logprob_packing (each prompt once) and the plain [N, T] pass: one step, same weights
+    (lr 1e-2: Adam moves weights by ~1e-2, a wrong log-prob path by as much)."""
+    from gspo.models.packing import shared_prefix_logprobs
+
+    out = {}
+    for packing in ("true", "false"):
+        t = Trainer(_cfg(tmp_path, f"p{packing}", "steps=1", "eval_before=false",
+                         "task.eval_size=0", "rollout.group_size=4", "optim.lr=1e-2",
+                         "objective.name=grpo", "objective.eps_low=0.2",
+                         "objective.eps_high=0.27", f"logprob_packing={packing}"),
+                    reward_fns=[starts_with_digit]).setup()
+        assert (t.logprob_fn is shared_prefix_logprobs) == (packing == "true")
+        t.train()
+        row = json.loads(open(t.run_dir / "metrics.jsonl").readline())
+        assert row["train/grad_norm"] > 1e-3  # the step moved the weights
+        out[packing] = _weights(t.run_dir, 1), row["objective/seq_ratio_std"]
+    assert out["true"][1] == pytest.approx(out["false"][1], rel=1e-3, abs=1e-7)
+    for k in out["true"][0]:
+        torch.testing.assert_close(out["true"][0][k], out["false"][0][k], rtol=1e-4, atol=1e-5)
+
+
+def test_rollout_logprobs_skip_the_old_pass_except_on_check_steps(tmp_path, monkeypatch):
+    """objective.old_logprobs=rollout: the π_old pass runs only every rollout_check_every
+    steps (for the gap and entropy metrics); the update uses the sampler's log-probs."""
+    trainer = Trainer(_cfg(tmp_path, "skip", "steps=3", "eval_before=false", "task.eval_size=0",
+                           "objective.old_logprobs=rollout", "logging.rollout_check_every=2"),
+                      reward_fns=[starts_with_digit]).setup()
+    calls = []
+    real = trainer.old_logprobs
+    monkeypatch.setattr(trainer, "old_logprobs", lambda b: calls.append(1) or real(b))
+    trainer.train()
+    rows = [json.loads(x) for x in open(trainer.run_dir / "metrics.jsonl")]
+    rows = [r for r in rows if "reward/mean" in r]
+    assert len(calls) == 2  # steps 0 and 2 of 0, 1, 2
+    assert ["train/entropy" in r for r in rows] == [True, False, True]
+    assert all("objective/clip_frac_tokens" in r for r in rows)
