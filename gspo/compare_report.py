@@ -9,6 +9,9 @@ Per run (definitions used in the table):
 * routing change: ``moe/routing_change`` averaged over all steps: the share of (response token,
   MoE layer) whose top-k expert set under π_θ differs from π_old's, measured in every
   minibatch before its optimizer step (the first minibatch of a batch always measures 0);
+* routing change after an update: ``moe/routing_change_after_update``, the same over the
+  minibatches that follow at least one optimizer step on their rollout batch (the paper's
+  "after each gradient update" quantity, not diluted by the first minibatch's 0);
 * sequence-ratio spread: ``objective/seq_ratio_std`` averaged over all steps;
 * wall time of the run (rollouts, updates and evaluations).
 
@@ -34,11 +37,13 @@ COLUMNS: list[tuple[str, str]] = [
     ("accuracy_after", "held-out accuracy after"),
     ("clip_frac_tokens", "clipped-token fraction"),
     ("routing_change", "routing-change fraction"),
+    ("routing_change_after_update", "routing change after an update"),
     ("seq_ratio_std", "sequence-ratio std"),
     ("wall_s", "wall time / run (s)"),
 ]
 _STEP_MEANS = {"clip_frac_tokens": "objective/clip_frac_tokens",
                "routing_change": "moe/routing_change",
+               "routing_change_after_update": "moe/routing_change_after_update",
                "seq_ratio_std": "objective/seq_ratio_std"}
 
 
@@ -123,7 +128,8 @@ def markdown_table(summary: dict[str, Any]) -> str:
 
 def _per_seed_table(summary: dict[str, Any]) -> str:
     keys = ["first_reward", "final_reward", "accuracy_before", "accuracy_after",
-            "clip_frac_tokens", "routing_change", "seq_ratio_std", "wall_s"]
+            "clip_frac_tokens", "routing_change", "routing_change_after_update",
+            "seq_ratio_std", "wall_s"]
     lines = ["| arm | seed | " + " | ".join(keys) + " |", "|" + "---|" * (len(keys) + 2)]
     for arm in summary["arms"].values():
         for seed, r in arm["runs"].items():

@@ -427,6 +427,7 @@ class Trainer:
             **{k: float(v) for k, v in group_stats(rewards, roll.group_size).items()},
             **reward_extra,
             **mean_stats(stats),
+            **_after_first_update(stats),
             **self._rollout_metrics(roll, batch, entropy, rollout_gap, t),
             **routing_metrics,
             "train/skipped_updates": skipped,
@@ -635,3 +636,12 @@ class Trainer:
 
     def resolved_config(self) -> dict[str, Any]:
         return dataclasses.asdict(self.cfg)
+
+
+def _after_first_update(stats: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+    """``moe/routing_change_after_update``: the routing change over the minibatches that run
+    after at least one optimizer step on their rollout batch (the first one always measures 0)."""
+    key = "moe/routing_change"
+    if len(stats) < 2 or key not in stats[0]:
+        return {}
+    return {f"{key}_after_update": mean_stats(stats[1:])[key]}

@@ -35,6 +35,10 @@ def test_r2_replay_and_aux_loss_run_and_routes_drift_with_updates(tmp_path):
                 "moe.aux_loss_coef=0.01", "objective.name=grpo", "objective.eps_low=0.2",
                 "objective.eps_high=0.27")
     assert rows[-1]["moe/routing_change"] > 0  # later minibatches see a changed router
+    # the mean over all 4 minibatches includes the first one's 0: the after-update mean is
+    # exactly 4/3 of it
+    assert rows[-1]["moe/routing_change_after_update"] == pytest.approx(
+        rows[-1]["moe/routing_change"] * 4 / 3, rel=1e-6)
     assert rows[-1]["moe/load_balancing_loss"] > 0
 
 
