@@ -144,3 +144,34 @@ class MetricsLogger:
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
+
+
+def rollout_metrics(roll: Any, batch: dict[str, torch.Tensor], entropy: torch.Tensor | None,
+                    gap: torch.Tensor | None, t: dict[str, float], epochs: int,
+                    dist: Any) -> dict[str, float]:
+    """Entropy, lengths, truncation, sampler/trainer log-prob gap and throughput over the
+    global batch (sums and maxima all-reduced over ``dist``; times are this rank's). Entropy
+    and gap come from the π_old pass; on a step without one they are not logged."""
+    mask = batch["response_mask"]
+    lengths = torch.tensor([len(r) for r in roll.response_ids], dtype=torch.float64)
+    skipped = entropy is None or gap is None
+    if skipped:
+        entropy, gap = torch.zeros_like(mask), torch.zeros(1)
+    sums = dist.all_reduce(torch.stack([
+        (entropy * mask).sum().double().cpu(), mask.sum().double().cpu(), lengths.sum(),
+        torch.tensor(float(len(roll)), dtype=torch.float64),
+        torch.tensor(float(sum(roll.truncated)), dtype=torch.float64),
+        batch["attention_mask"].sum().double().cpu()]))
+    ent, n_tok, len_sum, n_rows, truncated, n_tokens = sums.tolist()
+    len_max, gap_max = dist.all_reduce(
+        torch.stack([lengths.max(), gap.abs().max().double().cpu()]), "max").tolist()
+    out = {
+        "rollout/response_len_mean": len_sum / n_rows,
+        "rollout/response_len_max": len_max,
+        "rollout/truncated_frac": truncated / n_rows,
+        "perf/rollout_tokens_per_s": len_sum / max(t["rollout"], 1e-9),
+        "perf/update_tokens_per_s": n_tokens * epochs / max(t["update"], 1e-9),
+    }
+    if not skipped:
+        out.update({"train/entropy": ent / max(n_tok, 1.0), "rollout/logprob_gap_abs_max": gap_max})
+    return out

@@ -32,7 +32,9 @@ from gspo.rollout.sampler import eos_ids
 from gspo.trainer.checkpoint import latest_checkpoint, load_checkpoint_state, save_checkpoint
 from gspo.trainer.distributed import prepare as prepare_distributed
 from gspo.trainer.evaluate import evaluate
-from gspo.trainer.metrics import MetricsLogger, mean_stats
+from gspo.trainer.metrics import MetricsLogger, mean_stats, rollout_metrics
+from gspo.trainer.moe_hooks import routing_change_after_update
+from gspo.trainer.reliability import Reliability
 from gspo.trainer.tracking import with_trackers
 from gspo.trainer.update import UpdateBatch, policy_update
 
@@ -61,7 +63,7 @@ def _lr_lambda(cfg: TrainConfig, total: int):
     return f
 
 
-class Trainer:
+class Trainer(Reliability):
     """``Trainer(cfg).setup(); trainer.train()``; the CLI does exactly this.
 
     From Python, each argument replaces its part of ``cfg``: ``model`` (a loaded model with its
@@ -286,35 +288,16 @@ class Trainer:
 
     def _rollout_routing(self, roll: Any, recomputed: list[torch.Tensor] | None
                          ) -> tuple[list[torch.Tensor] | None, dict[str, float]]:
-        """R3: the rollout's expert choices, positions it did not see (padding, the final
-        token of each row) filled from the trainer's π_old forward (``recomputed``, R2); plus
-        ``moe/rollout_routing_mismatch``: the fraction of (response token, MoE layer) whose
-        rollout expert set differs from π_old's recompute (the train/inference routing gap R3
-        removes), over the response tokens the rollout saw. Other modes: ``recomputed``."""
+        """R3: the rollout's expert choices where it saw the token, π_old's recompute (R2)
+        elsewhere, and ``moe/rollout_routing_mismatch`` over the global batch (see
+        :func:`gspo.trainer.moe_hooks.merge_rollout_routing`). Other modes: ``recomputed``."""
         if not self._r3 or recomputed is None:
             return recomputed, {}
-        if roll.routing is None:
-            raise RuntimeError("moe.routing_replay=r3: the rollout engine returned no routing")
-        shapes = [tuple(r.shape) for r in roll.routing], [tuple(r.shape) for r in recomputed]
-        if shapes[0] != shapes[1]:
-            raise RuntimeError(f"moe.routing_replay=r3: rollout routing shapes {shapes[0]} do "
-                               f"not match the trainer's padded batch {shapes[1]}")
-        response = torch.zeros(recomputed[0].shape[0], dtype=torch.bool)
-        t = recomputed[0].shape[0] // max(len(roll), 1)
-        for i, (p, r) in enumerate(zip(roll.prompt_ids, roll.response_ids)):
-            response[i * t + len(p): i * t + len(p) + len(r)] = True
-        merged, changed, seen = [], torch.zeros((), dtype=torch.float64), 0
-        for rolled, old in zip(roll.routing, recomputed):
-            rolled = rolled.to(old.device)
-            known = (rolled >= 0).all(-1)
-            merged.append(torch.where(known[:, None], rolled, old))
-            sel = (known & response.to(old.device))
-            diff = rolled[sel].sort(-1).values != old[sel].sort(-1).values
-            changed += diff.any(-1).sum().double().cpu()
-            seen += int(sel.sum())
-        changed, seen_t = self.dist.all_reduce(
-            torch.stack([changed, torch.tensor(float(seen), dtype=torch.float64)])).tolist()
-        return merged, {"moe/rollout_routing_mismatch": changed / max(seen_t, 1.0)}
+        from gspo.trainer.moe_hooks import merge_rollout_routing
+
+        merged, changed, seen = merge_rollout_routing(roll, recomputed)
+        changed, seen = self.dist.all_reduce(torch.stack([changed, seen])).tolist()
+        return merged, {"moe/rollout_routing_mismatch": changed / max(seen, 1.0)}
 
     def _vllm(self) -> Any:
         """The vLLM engine, started on first use from the current policy weights."""
@@ -427,45 +410,14 @@ class Trainer:
             **{k: float(v) for k, v in group_stats(rewards, roll.group_size).items()},
             **reward_extra,
             **mean_stats(stats),
-            **_after_first_update(stats),
-            **self._rollout_metrics(roll, batch, entropy, rollout_gap, t),
+            **routing_change_after_update(stats),
+            **rollout_metrics(roll, batch, entropy, rollout_gap, t, cfg.objective.epochs,
+                              self.dist),
             **routing_metrics,
             "train/skipped_updates": skipped,
             "train/lr": self.scheduler.get_last_lr()[0],
             **{f"time/{k}_s": v for k, v in t.items()},
         }
-
-    def _rollout_metrics(self, roll: Any, batch: dict[str, torch.Tensor],
-                         entropy: torch.Tensor | None, gap: torch.Tensor | None,
-                         t: dict[str, float]) -> dict[str, float]:
-        """Entropy, lengths, truncation, sampler/trainer log-prob gap and throughput over the
-        global batch (sums and maxima all-reduced; times are this rank's). Entropy and gap come
-        from the π_old pass; on a step without one they are not logged."""
-        mask = batch["response_mask"]
-        lengths = torch.tensor([len(r) for r in roll.response_ids], dtype=torch.float64)
-        skipped = entropy is None or gap is None
-        if skipped:
-            entropy, gap = torch.zeros_like(mask), torch.zeros(1)
-        sums = self.dist.all_reduce(torch.stack([
-            (entropy * mask).sum().double().cpu(), mask.sum().double().cpu(), lengths.sum(),
-            torch.tensor(float(len(roll)), dtype=torch.float64),
-            torch.tensor(float(sum(roll.truncated)), dtype=torch.float64),
-            batch["attention_mask"].sum().double().cpu()]))
-        ent, n_tok, len_sum, n_rows, truncated, n_tokens = sums.tolist()
-        len_max, gap_max = self.dist.all_reduce(
-            torch.stack([lengths.max(), gap.abs().max().double().cpu()]), "max").tolist()
-        out = {
-            "rollout/response_len_mean": len_sum / n_rows,
-            "rollout/response_len_max": len_max,
-            "rollout/truncated_frac": truncated / n_rows,
-            "perf/rollout_tokens_per_s": len_sum / max(t["rollout"], 1e-9),
-            "perf/update_tokens_per_s": (n_tokens * self.cfg.objective.epochs
-                                         / max(t["update"], 1e-9)),
-        }
-        if not skipped:
-            out.update({"train/entropy": ent / max(n_tok, 1.0),
-                        "rollout/logprob_gap_abs_max": gap_max})
-        return out
 
     # ------------------------------------------------------------------ the loop
     def evaluate(self) -> dict[str, float]:
@@ -567,81 +519,6 @@ class Trainer:
             (self.run_dir / "final_eval.json").write_text(json.dumps(result, indent=2))
         return result
 
-    # ------------------------------------------------------------------ reliability
-    def _arm_reliability(self) -> None:
-        """Guard (counters restored on resume), reward timeout and the reward error log."""
-        from gspo.trainer.guard import Guard, RewardErrorLog
-
-        if getattr(self, "guard", None) is None:
-            self.guard = Guard(self.cfg.guard)
-            if getattr(self, "_guard_state", None):
-                self.guard.load_state_dict(self._guard_state)
-        if hasattr(self.scorer, "timeout_s"):
-            self.scorer.timeout_s = self.cfg.reward.timeout_s
-        self.reward_log = RewardErrorLog(self.run_dir)
-        self._saved_step = getattr(self, "_saved_step", None)
-        self.final_eval = getattr(self, "final_eval", None)
-
-    def _log_reward_errors(self, step: int) -> None:
-        errors = getattr(self.scorer, "first_errors", {})
-        for name in self.reward_log.update(step, errors):
-            last = (errors[name].strip().splitlines() or ["?"])[-1]
-            print(f"reward function '{name}' failed at step {step}: {last} "
-                  f"(traceback: {self.reward_log.path})", flush=True)
-
-    def _respond(self, reason: str) -> str | None:
-        """Act on a guard signal: roll back (None: the run goes on) or the reason to stop."""
-        g = self.cfg.guard
-        print(f"guard: step {self.step}: {reason}", flush=True)
-        if g.on_fault == "stop":
-            return reason
-        if self.guard.rollbacks >= g.max_rollbacks:
-            return f"{reason}; rolled back {self.guard.rollbacks} times already"
-        from gspo.trainer.guard import roll_back
-
-        ckpt = self.guard.good_checkpoint(self.run_dir / "checkpoints")
-        if ckpt is None:
-            return f"{reason}; no checkpoint to roll back to (set save_every > 0)"
-        factor = g.lr_factor if g.on_fault == "lower_lr" else 1.0
-        roll_back(ckpt, self.model, self.optimizer, self.scheduler, lr_factor=factor)
-        self.guard.acted(rolled_back=True)
-        lr = f", lr now {self.scheduler.get_last_lr()[0]:.3g}" if factor != 1.0 else ""
-        print(f"guard: rolled back to {ckpt.name} (weights and optimizer){lr}; rollback "
-              f"{self.guard.rollbacks} of at most {g.max_rollbacks}", flush=True)
-        return None
-
-    def _guard_stop(self, reason: str) -> None:
-        from gspo.trainer.guard import GuardStop
-
-        if self._saved_step != self.step:
-            self.save_checkpoint()
-        raise GuardStop(f"guard stopped the run at step {self.step}: {reason}; state saved in "
-                        f"{self.run_dir}/checkpoints/step_{self.step:06d}, metrics in "
-                        f"{self.run_dir}/metrics.jsonl")
-
-    def _interrupted(self) -> dict[str, Any]:
-        if self._saved_step != self.step:
-            self.save_checkpoint()
-        print(f"interrupted at step {self.step}; resume with: gspo train resume={self.run_dir}",
-              flush=True)
-        return {"steps": self.step, "before": getattr(self, "baseline_eval", None), "after": {},
-                "run_dir": str(self.run_dir), "interrupted": True}
-
-    def _abandoned(self) -> None:
-        ckpt = latest_checkpoint(self.run_dir / "checkpoints")
-        where = (f"resume from {ckpt.name} with: gspo train resume={self.run_dir}" if ckpt
-                 else "no checkpoint yet: start the run again")
-        print(f"interrupted again after step {self.step}: work in progress abandoned; {where}",
-              flush=True)
-
     def resolved_config(self) -> dict[str, Any]:
         return dataclasses.asdict(self.cfg)
 
-
-def _after_first_update(stats: list[dict[str, torch.Tensor]]) -> dict[str, float]:
-    """``moe/routing_change_after_update``: the routing change over the minibatches that run
-    after at least one optimizer step on their rollout batch (the first one always measures 0)."""
-    key = "moe/routing_change"
-    if len(stats) < 2 or key not in stats[0]:
-        return {}
-    return {f"{key}_after_update": mean_stats(stats[1:])[key]}
