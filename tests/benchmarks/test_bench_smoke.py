@@ -79,3 +79,23 @@ def test_trl_arm_and_objective_equivalence(tmp_path):
     assert len(r["steps"]) == 2 and r["steps"][0]["response_tokens"] > 0
     data = bench_objective.main(["--cases", "2", "--out", str(tmp_path)])
     assert data["summary"]["all rows non-empty"]["equal_to_1e-5"]
+
+
+def test_decode_benchmark(tmp_path):
+    from benchmarks import bench_decode
+
+    data = bench_decode.main(["--model", "tiny:llama", "--batch", "4", "--context", "8",
+                              "--reps", "2", "--out", str(tmp_path)])
+    assert data["decode_step_s"] > 0 and data["linears_at_batch"]["gflops"] > 0
+    assert (tmp_path / "decode_tiny-llama.md").read_text().count("|") > 10
+
+
+def test_scaling_benchmark_one_process(tmp_path):
+    from benchmarks import bench_scaling
+
+    data = bench_scaling.main(["--model", "tiny:llama", "--prompts", "2", "--group-size", "2",
+                               "--max-new-tokens", "3", "--minibatches", "2", "--steps", "2",
+                               "--configs", "1:none", "--out", str(tmp_path)])
+    r = data["results"]["1:none"]
+    assert len(r["steps"]) == 2 and r["peak_rss_mb"] > 0
+    assert (tmp_path / "scaling_tiny-llama.md").is_file()
