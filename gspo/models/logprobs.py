@@ -78,20 +78,25 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
         t, chunk = ctx.temperature, ctx.chunk
         w, b = weight.float(), None if bias is None else bias.float()
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        g_h = torch.zeros_like(hidden, dtype=torch.float32) if need_h else None
-        g_w = torch.zeros_like(w) if need_w else None
-        g_b = torch.zeros_like(b) if need_b and b is not None else None
+        # Every row of g_h is written and g_w / g_b start from the first chunk's product, so
+        # nothing is zero-filled (at V × H = 49k × 576 a fill costs as much as a small matmul).
+        g_h = torch.empty_like(hidden, dtype=torch.float32) if need_h else None
+        g_w = g_b = None
         for s in range(0, hidden.shape[0], chunk):
             h, y, g = hidden[s:s + chunk].float(), labels[s:s + chunk], grad[s:s + chunk] / t
             z = torch.nn.functional.linear(h, w, b).div_(t)
             dz = z.sub_(lse[s:s + chunk, None]).exp_().mul_(-g[:, None])  # −g·softmax, in place
             dz[torch.arange(len(y), device=y.device), y] += g  # + g·onehot(y)
             if g_h is not None:
-                g_h[s:s + chunk] = dz @ w
-            if g_w is not None:
-                g_w.addmm_(dz.t(), h)
-            if g_b is not None:
-                g_b += dz.sum(0)
+                torch.mm(dz, w, out=g_h[s:s + chunk])
+            if need_w:
+                g_w = dz.t() @ h if g_w is None else g_w.addmm_(dz.t(), h)
+            if need_b and b is not None:
+                g_b = dz.sum(0) if g_b is None else g_b.add_(dz.sum(0))
+        if need_w and g_w is None:  # no rows
+            g_w = torch.zeros_like(w)
+        if need_b and b is not None and g_b is None:
+            g_b = torch.zeros_like(b)
         cast = lambda x, like: None if x is None else x.to(like.dtype)  # noqa: E731
         return (cast(g_h, hidden), cast(g_w, weight),
                 None if bias is None else cast(g_b, bias), None, None, None, None)
