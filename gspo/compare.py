@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import yaml
 
-from gspo.config import ConfigError, TrainConfig, load_config, to_dict
+from gspo.config import ConfigError, TrainConfig, load_config, read_yaml, to_dict
 
 SPEC_KEYS = ("arms", "base", "overrides", "quick", "seeds")
 ARM_KEYS = ("label", "overrides")
@@ -132,13 +132,7 @@ def load_spec(path: str | Path, *, quick: bool = False, arms: list[str] | None =
     """Read and check a comparison file; every arm's run config is built once, so a typo in
     any arm fails here (one-line :class:`ConfigError`) and not hours into the comparison."""
     p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"compare file not found: {p}")
-    try:
-        data = yaml.safe_load(p.read_text())
-    except Exception as e:  # OSError, or PyYAML's assorted errors on bad input
-        lines = str(e).strip().splitlines()
-        raise ConfigError(f"{p}: not valid YAML ({lines[0] if lines else e!r})") from None
+    data = read_yaml(p, "compare file")
     data = _mapping(data, str(p), SPEC_KEYS)
     for key in ("arms", "seeds"):
         if key not in data:

@@ -324,20 +324,25 @@ def parse_override(item: str) -> dict[str, Any]:
     return value
 
 
+def read_yaml(path: str | Path, what: str = "config file") -> Any:
+    """The parsed YAML of ``path``; a missing, unreadable or malformed file is a one-line
+    :class:`ConfigError` naming it (``what`` names the kind of file in the first case)."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{what} not found: {p}")
+    try:
+        return yaml.safe_load(p.read_text())
+    except OSError as e:
+        raise ConfigError(f"{p}: cannot read ({_first_line(e)})") from None
+    except Exception as e:  # PyYAML also raises ValueError, KeyError, ... on bad scalars
+        raise ConfigError(f"{p}: not valid YAML ({_first_line(e)})") from None
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
     """Build a :class:`TrainConfig` from defaults, an optional YAML file and overrides."""
     cfg = TrainConfig()
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file not found: {p}")
-        try:
-            data = yaml.safe_load(p.read_text())
-        except OSError as e:
-            raise ConfigError(f"{p}: cannot read ({_first_line(e)})") from None
-        except Exception as e:  # PyYAML also raises ValueError, KeyError, ... on bad scalars
-            raise ConfigError(f"{p}: not valid YAML ({_first_line(e)})") from None
-        _merge(cfg, data or {})
+        _merge(cfg, read_yaml(path) or {})
     for item in overrides or []:
         _merge(cfg, parse_override(item))
     validate(cfg)
@@ -417,14 +422,7 @@ def load_sft_config(path: str | Path | None = None,
     """Build an :class:`SFTConfig` from defaults, an optional YAML file and overrides."""
     cfg = SFTConfig()
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file not found: {p}")
-        try:
-            data = yaml.safe_load(p.read_text())
-        except Exception as e:  # OSError, or PyYAML's assorted errors on bad input
-            raise ConfigError(f"{p}: not valid YAML ({_first_line(e)})") from None
-        _merge(cfg, data or {})
+        _merge(cfg, read_yaml(path) or {})
     for item in overrides or []:
         _merge(cfg, parse_override(item))
     _check(cfg.steps >= 0 and cfg.batch_size >= 1 and cfg.lr >= 0,
