@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import fmt, machine, median, write_result
+from benchmarks.common import fmt, machine, median, result_name, write_result
 
 
 def _cpu_time(fn: Any, reps: int) -> float:
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
            f"{fmt(at_b['gflops'], 1)} GFLOP/s, {fmt(at_b['weight_gb_s'], 1)} GB/s of weights "
            f"({fmt(data['weight_mb'], 1)} MiB) | {fmt(data['linear_share_of_step'])} | "
            f"{fmt(at_256['gflops'], 1)} GFLOP/s | {fmt(head_b['gflops'], 1)} GFLOP/s |")
-    name = "decode_" + a.model.replace(":", "-").replace("/", "_")
+    name = result_name("decode", a.model)
     write_result(name, data, header, [row], a.out)
     print("\n".join([header, row]))
     return data

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import PROMPTS, fmt, machine, median, write_result
+from benchmarks.common import PROMPTS, fmt, machine, median, result_name, write_result
 
 
 def seq_gap(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -178,8 +178,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     bf = results["bf16_vs_fp32_policy"]
     rows.append(f"| bf16 policy vs the fp32 policy it was cast from | | | | "
                 f"{bf['max']:.1e} ({bf['median']:.0e}) | | | | |")
-    name = "noise_floor_" + a.model.replace(":", "-").replace("/", "_") + (
-        f"_{a.tag}" if a.tag else "")
+    name = result_name("noise_floor", a.model, a.tag)
     write_result(name, data, header, rows, a.out)
     print("\n".join([header, *rows]))
     return data

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import PROMPT_SETS, fmt, machine, median, now, write_result
+from benchmarks.common import PROMPT_SETS, fmt, machine, median, now, result_name, write_result
 
 
 def _left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,8 +125,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "clock": "cpu" if a.threads == 1 else "wall",
             "ratio_gspo_over_hf": median(pair), "paired_ratios": pair, "raw_tok_s": rates,
             "greedy_check": check}
-    name = "_".join(["rollout", a.model.replace(":", "-").replace("/", "_"), a.prompts,
-                     *([a.tag] if a.tag else [])])
+    name = result_name("rollout", a.model, a.prompts, a.tag)
     header = ("| model | prompts (mean tokens) | threads | batch | gspo tok/s | HF generate tok/s "
               "| gspo/HF | greedy equal |\n|---|---|---|---|---|---|---|---|")
     mean_len = sum(len(x) for x in prompts) / len(prompts)

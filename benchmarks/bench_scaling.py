@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import fmt, machine, median, peak_rss_mb, write_result
+from benchmarks.common import fmt, machine, median, peak_rss_mb, result_name, write_result
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     header = ("| model | processes | strategy | s / step | rollout s | update s "
               "| peak RSS per rank |\n|---|---|---|---|---|---|---|")
     data = {"config": base, "machine": machine(), "results": results}
-    name = "scaling_" + a.model.replace(":", "-").replace("/", "_")
+    name = result_name("scaling", a.model)
     write_result(name, data, header, rows, a.out)
     print("\n".join([header, *rows]))
     return data

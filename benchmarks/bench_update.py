@@ -33,6 +33,7 @@ from benchmarks.common import (
     machine,
     median,
     now,
+    result_name,
     run_child,
     write_result,
 )
@@ -266,7 +267,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         f"{fmt(x['naive']['extra_peak_mb'], 0)} MiB | ratios "
                         f"{fmt(x['ratio_gspo_over_naive'], 2)} / "
                         f"{fmt(x['ratio_checkpoint_over_naive'], 2)} |")
-    name = "update_" + a.model.replace(":", "-").replace("/", "_") + (f"_{a.tag}" if a.tag else "")
+    name = result_name("update", a.model, a.tag)
     header = "| measurement | setting | result | detail |\n|---|---|---|---|"
     write_result(name, data, header, rows, a.out)
     print("\n".join([header, *rows]))

@@ -44,6 +44,7 @@ from benchmarks.common import (
     machine,
     median,
     now,
+    result_name,
     run_child,
     write_result,
 )
@@ -290,7 +291,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               f"({time.perf_counter() - w0:.0f} s with start-up)", flush=True)
         results.append(r)
     summary = {clock: summarize(results, a.warmup, clock) for clock in CLOCKS}
-    name = "vs_trl_" + a.model.replace(":", "-").replace("/", "_") + (f"_{a.tag}" if a.tag else "")
+    name = result_name("vs_trl", a.model, a.tag)
     data = {"config": spec, "warmup": a.warmup, "reps": a.reps, "machine": machine(),
             "summary": summary, "raw": results}
     header, rows = table(a.model, a.threads, summary)

@@ -125,6 +125,11 @@ def abba(arms: list[str], reps: int) -> list[str]:
     return order
 
 
+def result_name(kind: str, model: str, *parts: str) -> str:
+    """``<kind>_<model>[_<part>...]``, the model name made file-safe; empty parts are dropped."""
+    return "_".join([kind, model.replace(":", "-").replace("/", "_"), *(x for x in parts if x)])
+
+
 def write_result(name: str, data: dict[str, Any], md_header: str, md_rows: list[str],
                  out_dir: Path | None = None) -> Path:
     """Write ``<name>.json`` and ``<name>.md`` (a markdown table) under the results folder."""

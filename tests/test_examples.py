@@ -11,7 +11,6 @@ import types
 from pathlib import Path
 
 import pytest
-import torch
 
 from gspo import TrainConfig, Trainer
 from gspo.config import LoggingConfig, RewardConfig, RolloutConfig, TaskConfig
@@ -21,13 +20,7 @@ from gspo.trainer.samples import write_samples
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run fastest on one thread, above all on a busy machine; restore after."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def example(name: str):

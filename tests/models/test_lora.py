@@ -17,13 +17,7 @@ from gspo.trainer import Trainer
 pytest.importorskip("peft")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run fastest on one thread, above all on a busy machine; restore after."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def batch(seed: int = 0):
