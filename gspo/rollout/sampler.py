@@ -5,8 +5,10 @@ Differences from ``model.generate`` that matter for RL:
 - rows that emitted EOS leave the decode batch, so late steps run on the unfinished rows only;
 - the log-prob of each sampled token is log_softmax(logits / temperature) in fp32, i.e. the
   policy's, not the top-k/top-p-processed distribution (equal when top_k=0 and top_p=1);
-- tokens are drawn by inverse CDF (one uniform per row), not ``torch.multinomial``, so the same
-  seed gives different samples than ``model.generate`` (same distribution).
+- tokens are drawn by inverse CDF (one uniform per row and step, drawn up front), not
+  ``torch.multinomial``, so the same seed gives different samples than ``model.generate``
+  (same distribution);
+- the KV cache has room reserved for the new tokens instead of growing by concatenation.
 
 With ``record_routing=True`` (MoE policies, routing replay R3) the experts every router chose
 for every token fed through the model are recorded and returned in ``Rollout.routing``, laid out
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from transformers.cache_utils import DynamicLayer
 
 from gspo.rollout.batch import Rollout
 
@@ -62,42 +65,118 @@ def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     return logits
 
 
-def _draw(probs: torch.Tensor,
-          generator: torch.Generator | list[torch.Generator] | None) -> torch.Tensor:
-    """One token per row from ``probs`` [n, V] (unnormalised is fine), by inverse CDF.
+_BLOCK = 256  # vocabulary entries per block of the two-level inverse CDF in :func:`_draw`
 
-    One uniform per row and an fp64 running sum, instead of ``torch.multinomial``'s
-    exponential draw for every vocabulary entry (the costliest step after the model at a 49k
-    vocabulary). ``right=True`` never lands on a zero-probability token: it returns the first
-    i with cdf_i > u·cdf_V ≥ cdf_{i-1}. A list of generators gives each row its own.
+
+def _draw(probs: torch.Tensor, u: torch.Tensor, block: int = _BLOCK) -> torch.Tensor:
+    """One token per row from ``probs`` [n, V] (unnormalised is fine) at uniforms ``u`` [n].
+
+    Inverse CDF in two levels: the fp64 masses of blocks of ``block`` entries pick a block, then
+    the fp64 running sum inside that block picks the token. Exact like a full fp64 ``cumsum``
+    over V (which took ~16 ms a step at V = 49k, more than the sampling's other work), and one
+    uniform per row instead of ``torch.multinomial``'s exponential draw per vocabulary entry.
+    Never lands on a zero-probability token: each search returns the first entry whose
+    cumulative mass exceeds a target strictly below the total.
     """
-    cdf = probs.cumsum(-1, dtype=torch.float64)
+    n, v = probs.shape
+    nb = -(-v // block)
+    if nb * block != v:
+        probs = torch.nn.functional.pad(probs, (0, nb * block - v))
+    blocks = probs.view(n, nb, block)
+    cdf = blocks.sum(-1, dtype=torch.float64).cumsum(-1)  # [n, nb]
+    total = cdf[:, -1:]
+    target = torch.minimum(u.view(n, 1) * total, total * (1 - 2.0 ** -52))
+    blk = torch.searchsorted(cdf, target, right=True)  # cdf[blk - 1] <= target < cdf[blk]
+    before = torch.where(blk > 0, cdf.gather(-1, (blk - 1).clamp(min=0)), 0.0)
+    inner = blocks[torch.arange(n, device=probs.device), blk.squeeze(-1)].cumsum(
+        -1, dtype=torch.float64)  # [n, block]
+    frac = (target - before) / (cdf.gather(-1, blk) - before)
+    r = torch.minimum(frac * inner[:, -1:], inner[:, -1:] * (1 - 2.0 ** -52))
+    j = torch.searchsorted(inner, r, right=True).squeeze(-1)
+    return blk.squeeze(-1) * block + j
+
+
+def _uniforms(n: int, group_size: int, steps: int,
+              generator: torch.Generator | list[torch.Generator] | None) -> torch.Tensor:
+    """[n, steps] fp64 uniforms, drawn up front: row r uses ``u[r, step]``. With one generator
+    per prompt, group p's rows come from generator p alone, so a row's samples depend neither on
+    the other prompts in the batch nor on when the other rows finish."""
     if isinstance(generator, list):
-        u = torch.cat([torch.rand((1, 1), dtype=torch.float64, generator=g) for g in generator])
-    else:
-        u = torch.rand((probs.shape[0], 1), dtype=torch.float64, generator=generator)
-    tok = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1)
-    return tok.clamp(max=probs.shape[-1] - 1)
+        return torch.cat([torch.rand((group_size, steps), dtype=torch.float64, generator=g)
+                          for g in generator])
+    return torch.rand((n, steps), dtype=torch.float64, generator=generator)
 
 
-def _next_tokens(logits: torch.Tensor, params: SamplingParams,
-                 generator: torch.Generator | list[torch.Generator] | None,
-                 greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(token [n], its fp32 log-prob under log_softmax(logits / temperature) [n])."""
+def _next_tokens(logits: torch.Tensor, params: SamplingParams, u: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token [n], its fp32 log-prob under log_softmax(logits / temperature) [n]); greedy when
+    ``u`` is None, else drawn at the uniforms ``u`` [n]."""
     scaled = logits.float()
-    if not greedy and params.temperature != 1.0:
+    if u is not None and params.temperature != 1.0:
         scaled = scaled / params.temperature
     # logits − logsumexp, as the trainer computes it (gspo.models.logprobs): on CPU
     # torch.log_softmax's normaliser runs ~1e-5 low on 49k-way logits (measured), a bias
     # that would show up in every GSPO sequence ratio.
-    logp = scaled - torch.logsumexp(scaled, dim=-1, keepdim=True)
-    if greedy:
+    lse = torch.logsumexp(scaled, dim=-1, keepdim=True)
+    if u is None:
         tok = scaled.argmax(-1)
     elif params.top_k == 0 and params.top_p >= 1.0:
-        tok = _draw(logp.exp(), generator)  # the policy's own distribution
+        tok = _draw(torch.sub(scaled, lse).exp_(), u)  # the policy's own distribution
     else:
-        tok = _draw(torch.softmax(_filter(scaled, params.top_k, params.top_p), -1), generator)
-    return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+        tok = _draw(torch.softmax(_filter(scaled, params.top_k, params.top_p), -1), u)
+    return tok, (scaled.gather(-1, tok[:, None]) - lse).squeeze(-1)
+
+
+class _ReservedLayer(DynamicLayer):
+    """A KV-cache layer with room reserved for the tokens still to come.
+
+    ``DynamicLayer.update`` concatenates, copying the whole cache of every layer at every decode
+    step (15% of a SmolLM2 rollout, measured); this one writes each step's keys and values into a
+    buffer allocated once and hands out views of its filled part, which hold the same numbers.
+    """
+
+    def __init__(self, layer: DynamicLayer, extra: int) -> None:
+        super().__init__()
+        self.lazy_initialization(layer.keys, layer.values)
+        b, h, n, d = layer.keys.shape
+        self._k = layer.keys.new_empty((b, h, n + extra, d))
+        self._v = layer.values.new_empty((b, h, n + extra, layer.values.shape[-1]))
+        self._k[:, :, :n], self._v[:, :, :n] = layer.keys, layer.values
+        self._n = n
+        self._views()
+
+    def _views(self) -> None:
+        self.keys, self.values = self._k[:, :, :self._n], self._v[:, :, :self._n]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        end = self._n + key_states.shape[-2]
+        if end > self._k.shape[2]:  # more than reserved: grow like DynamicLayer
+            self._k = torch.cat([self._k[:, :, :self._n], key_states], dim=-2)
+            self._v = torch.cat([self._v[:, :, :self._n], value_states], dim=-2)
+        else:
+            self._k[:, :, self._n:end], self._v[:, :, self._n:end] = key_states, value_states
+        self._n = end
+        self._views()
+        return self.keys, self.values
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._k, self._v = self._k[indices], self._v[indices]
+        self._views()
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._k = self._k.repeat_interleave(repeats, dim=0)
+        self._v = self._v.repeat_interleave(repeats, dim=0)
+        self._views()
+
+
+def _reserve(cache: Any, extra: int) -> None:
+    """Swap the plain dynamic layers of ``cache`` for :class:`_ReservedLayer` (others, e.g.
+    sliding-window layers, are left as they are)."""
+    layers = getattr(cache, "layers", [])
+    for i, layer in enumerate(layers):
+        if type(layer) is DynamicLayer and layer.is_initialized and layer.keys.dim() == 4:
+            layers[i] = _ReservedLayer(layer, extra)
 
 
 class _RoutingLog:
@@ -197,6 +276,8 @@ def _generate(model: Any, prompts: list[list[int]], ids: torch.Tensor, mask: tor
         logits = logits.repeat_interleave(group_size, 0)
         mask = mask.repeat_interleave(group_size, 0)
     n, steps = logits.shape[0], params.max_new_tokens
+    _reserve(cache, steps)
+    u = None if greedy else _uniforms(n, group_size, steps, generator)
     next_pos = mask.sum(-1)
     active = torch.arange(n)
     # Written in place, one column per step, for the rows still decoding.
@@ -206,9 +287,7 @@ def _generate(model: Any, prompts: list[list[int]], ids: torch.Tensor, mask: tor
     done = torch.zeros(n, dtype=torch.bool)
     eos_t = torch.tensor(eos, dtype=torch.long)
     for step in range(steps):
-        gen = ([generator[r // group_size] for r in active.tolist()]
-               if isinstance(generator, list) else generator)
-        tok, tok_lp = _next_tokens(logits, params, gen, greedy)
+        tok, tok_lp = _next_tokens(logits, params, None if u is None else u[active, step])
         tokens[active, step], lps[active, step] = tok, tok_lp
         lengths[active] += 1
         finished = torch.isin(tok, eos_t)

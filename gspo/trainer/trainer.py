@@ -36,7 +36,7 @@ from gspo.trainer.metrics import MetricsLogger, mean_stats, rollout_metrics
 from gspo.trainer.moe_hooks import routing_change_after_update
 from gspo.trainer.reliability import Reliability
 from gspo.trainer.tracking import with_trackers
-from gspo.trainer.update import UpdateBatch, policy_update
+from gspo.trainer.update import UpdateBatch, minibatch_plan, policy_update, reuse_first_forward
 
 # Rollout engines that cannot return the experts they routed to (routing replay R3), and why.
 # vLLM 0.32 has ``enable_return_routed_experts``, but it needs Model Runner V2, which needs
@@ -332,21 +332,34 @@ class Trainer(Reliability):
         return rewards, extra
 
     @torch.no_grad()
-    def old_logprobs(self, batch: dict[str, torch.Tensor]
+    def old_logprobs(self, batch: dict[str, torch.Tensor], rows: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor] | None]:
         """log π_old recomputed by the trainer in fp32, the policy's entropy, and (MoE) the
-        expert indices π_old chose for every position (what R2 replays)."""
+        expert indices π_old chose for every position (what R2 replays). ``rows``: compute
+        these rows only (dense policies); the others are left at 0."""
         self.model.eval()
+        cols = {k: batch[k] for k in ("input_ids", "attention_mask", "response_mask")}
+        if rows is not None:
+            width = int(batch["attention_mask"][rows].sum(-1).max()) if len(rows) else 0
+            cols = {k: v[rows, :width] for k, v in cols.items()}
         with contextlib.ExitStack() as stack:
             rec = None
             if self.moe:
                 from gspo.models.moe import capture_routing
 
                 rec = stack.enter_context(capture_routing(self.model))
-            lp, ent = self.dist.forward(self.model, self.logprob_fn, batch["input_ids"],
-                                        batch["attention_mask"], batch["response_mask"],
-                                        temperature=self.cfg.rollout.temperature,
-                                        chunk=self.cfg.logprob_chunk, with_entropy=True)
+            if cols["input_ids"].numel():
+                lp, ent = self.dist.forward(self.model, self.logprob_fn, cols["input_ids"],
+                                            cols["attention_mask"], cols["response_mask"],
+                                            temperature=self.cfg.rollout.temperature,
+                                            chunk=self.cfg.logprob_chunk, with_entropy=True)
+            else:
+                lp = ent = torch.zeros(cols["input_ids"].shape)
+        if rows is not None:
+            full = [torch.zeros(batch["response_mask"].shape) for _ in range(2)]
+            for t, part in zip(full, (lp, ent)):
+                t[rows, :part.shape[1]] = part
+            lp, ent = full
         return lp, ent, (rec.take() if rec is not None else None)
 
     def _recompute_old(self) -> bool:
@@ -372,11 +385,20 @@ class Trainer(Reliability):
         batch = {k: v.to(self.dist.device) for k, v in
                  pad_batch(roll.prompt_ids, roll.response_ids, self.pad_id, roll.logprobs).items()}
         mask = batch["response_mask"]
-        old, entropy, routing, rollout_gap = batch["old_logprobs"], None, None, None
+        gen = torch.Generator().manual_seed(cfg.seed * 7_919 + self.step)
+        # The first minibatch's forward gives π_old for its rows (θ = θ_old there): the π_old
+        # pass skips them where that is exact (see reuse_first_forward).
+        reuse = self._recompute_old() and reuse_first_forward(self.model, cfg.objective,
+                                                              self.dist, self.moe)
+        plan, rest = None, None  # plan None: policy_update draws it from ``gen`` (same draw)
+        if reuse:
+            plan = minibatch_plan(len(roll), cfg.objective, gen)
+            first = torch.zeros(len(roll), dtype=torch.bool)
+            first[plan[0][0]] = True
+            rest = (~first).nonzero().squeeze(-1)
+        old, entropy, routing, recomputed = batch["old_logprobs"], None, None, None
         if self._recompute_old():
-            recomputed, entropy, routing = self.old_logprobs(batch)
-            n_tok = mask.sum(1).clamp(min=1)
-            rollout_gap = ((recomputed - batch["old_logprobs"]) * mask).sum(1) / n_tok
+            recomputed, entropy, routing = self.old_logprobs(batch, rest)
             if cfg.objective.old_logprobs == "recompute":
                 old = recomputed
         routing, routing_metrics = self._rollout_routing(roll, routing)
@@ -394,14 +416,18 @@ class Trainer(Reliability):
         t["old_logprobs"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         update = UpdateBatch(batch["input_ids"], batch["attention_mask"], mask, old, adv, ref,
-                             routing, replay=cfg.moe.routing_replay != "off")
-        gen = torch.Generator().manual_seed(cfg.seed * 7_919 + self.step)
+                             routing, replay=cfg.moe.routing_replay != "off",
+                             old_from_first_minibatch=reuse, entropy=entropy)
         stats, skipped = policy_update(
             self.model, self.optimizer, self.scheduler, update, objective=cfg.objective,
             temperature=cfg.rollout.temperature, chunk=cfg.logprob_chunk,
             grad_clip=cfg.optim.grad_clip, generator=gen, moe=cfg.moe if self.moe else None,
-            dist=self.dist, logprob_fn=self.logprob_fn)
+            dist=self.dist, logprob_fn=self.logprob_fn, plan=plan)
         t["update"] = time.perf_counter() - t0
+        rollout_gap = None
+        if recomputed is not None:  # the trainer's π_old against the sampler's log-probs
+            n_tok = mask.sum(1).clamp(min=1)
+            rollout_gap = ((recomputed - batch["old_logprobs"]) * mask).sum(1) / n_tok
         if cfg.rollout.engine == "vllm":  # the next rollout samples from the updated policy
             t0 = time.perf_counter()
             self._vllm().load_weights(self.model)

@@ -28,6 +28,10 @@ class UpdateBatch:
     ref_logprobs: torch.Tensor | None = None  # [N, T] when beta > 0
     routing: list[torch.Tensor] | None = None  # π_old expert choices per MoE layer [N*T, k]
     replay: bool = False  # replay ``routing`` in the update (Routing Replay) or only compare
+    # π_old of the first minibatch's rows from that minibatch's own forward (see policy_update);
+    # ``entropy`` [N, T] then receives their policy entropy.
+    old_from_first_minibatch: bool = False
+    entropy: torch.Tensor | None = None
 
     def rows(self, idx: torch.Tensor) -> UpdateBatch:
         """Rows ``idx``, cut to their longest sequence (no compute spent on shared padding)."""
@@ -109,10 +113,40 @@ def _token_ratio_mean(logprobs: torch.Tensor, old: torch.Tensor,
     return torch.where(on, log_w.exp(), 0.0).sum() / on.sum().clamp(min=1)
 
 
+def minibatch_plan(n: int, objective: Any, generator: torch.Generator
+                   ) -> list[list[torch.Tensor]]:
+    """Rows of each minibatch (sorted), per epoch: a fresh permutation of the ``n`` rows of the
+    global batch each epoch, split into ``objective.num_minibatches`` parts."""
+    return [[mb.sort().values for mb in
+             torch.randperm(n, generator=generator).tensor_split(objective.num_minibatches)]
+            for _ in range(objective.epochs)]
+
+
+def reuse_first_forward(model: Any, objective: Any, dist: Dist, moe: bool) -> bool:
+    """Whether π_old of the first minibatch can come from its own forward (one process, a dense
+    policy, π_old recomputed, no dropout: then that forward runs at θ = θ_old and gives π_old
+    exactly, so the separate π_old pass can skip those rows)."""
+    return (objective.old_logprobs == "recompute" and not moe and not dist.enabled
+            and not has_dropout(model))
+
+
+def has_dropout(model: Any) -> bool:
+    """Dropout active in training mode: a ``Dropout`` module with p > 0 or a ``*dropout`` config
+    value > 0 (attention dropout is applied inside the attention function)."""
+    if any(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0
+           for m in model.modules()):
+        return True
+    config = getattr(model, "config", None)
+    values = config.to_dict() if hasattr(config, "to_dict") else {}
+    return any("dropout" in k and isinstance(v, (int, float)) and not isinstance(v, bool)
+               and v > 0 for k, v in values.items())
+
+
 def policy_update(model: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
                   batch: UpdateBatch, *, objective: Any, temperature: float, chunk: int,
                   grad_clip: float, generator: torch.Generator, moe: Any = None,
-                  dist: Dist | None = None, logprob_fn: Callable[..., Any] = token_logprobs
+                  dist: Dist | None = None, logprob_fn: Callable[..., Any] = token_logprobs,
+                  plan: list[list[torch.Tensor]] | None = None
                   ) -> tuple[list[dict[str, torch.Tensor]], int]:
     """Run ``objective.epochs`` passes of ``objective.num_minibatches`` AdamW steps.
 
@@ -124,6 +158,11 @@ def policy_update(model: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
     The MoE load-balancing loss is each rank's own, averaged over ranks.
     ``logprob_fn``: :func:`token_logprobs` or a drop-in with its signature and outputs (e.g.
     :func:`gspo.models.packing.shared_prefix_logprobs`).
+    ``plan``: the minibatches, as :func:`minibatch_plan` draws them from ``generator`` (the
+    default). With ``batch.old_from_first_minibatch`` (one process only), the first
+    minibatch's rows of ``batch.old_logprobs`` are not read but written: the first forward runs
+    at θ = θ_old, so its detached log-probs are π_old (ratio exactly 1), and its entropy goes to
+    ``batch.entropy``.
     Returns the per-minibatch stats and the number of updates skipped for a non-finite loss,
     log-prob (π_θ or π_old, on response tokens) or gradient norm (decided jointly by all ranks).
     """
@@ -135,16 +174,27 @@ def policy_update(model: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
     all_stats: list[dict[str, torch.Tensor]] = []
     counts: list[dict[str, float]] = []
     skipped = 0
+    if plan is None:
+        plan = minibatch_plan(w_global.shape[0], objective, generator)
+    if batch.old_from_first_minibatch and (d.enabled or batch.entropy is None):
+        raise ValueError("old_from_first_minibatch needs one process and batch.entropy")
     model.train()
-    for _ in range(objective.epochs):
-        order = torch.randperm(w_global.shape[0], generator=generator)
-        for mb_idx in order.tensor_split(objective.num_minibatches):
-            mb_idx = mb_idx.sort().values
+    for epoch, minibatches in enumerate(plan):
+        for k, mb_idx in enumerate(minibatches):
             local, share, empty = _local_rows(mb_idx, offset, n_local, w_global, d)
             mb = batch.rows(local)
+            fill_old = batch.old_from_first_minibatch and epoch == 0 and k == 0
             with _forward_ctx(model, mb, moe) as moe_out:
-                logprobs, _ = d.forward(model, logprob_fn, mb.input_ids, mb.attention_mask,
-                                        mb.response_mask, temperature=temperature, chunk=chunk)
+                logprobs, entropy = d.forward(model, logprob_fn, mb.input_ids, mb.attention_mask,
+                                              mb.response_mask, temperature=temperature,
+                                              chunk=chunk, with_entropy=fill_old)
+                if fill_old:  # θ = θ_old here: this forward is π_old for these rows
+                    width = mb.input_ids.shape[1]
+                    mb.old_logprobs = logprobs.detach()
+                    batch.old_logprobs[local, :width] = mb.old_logprobs
+                    batch.old_logprobs[local, width:] = 0.0
+                    batch.entropy[local] = 0.0
+                    batch.entropy[local, :width] = entropy
                 loss, stats = loss_fn(logprobs, mb.old_logprobs, mb.advantages, mb.response_mask,
                                       eps_low=objective.eps_low, eps_high=objective.eps_high,
                                       beta=objective.beta, ref_logprobs=mb.ref_logprobs,

@@ -67,3 +67,89 @@ def test_top_k_top_p_filter():
     kept = ~torch.isinf(_filter(logits, 0, 0.7)[0])
     assert kept.tolist() == [True, True, False, False]
     assert torch.equal(_filter(logits, 0, 1.0), logits)
+
+
+def test_two_level_draw_picks_what_one_full_fp64_cdf_picks():
+    """_draw's block-then-entry search equals a search over the whole fp64 CDF, never returns a
+    zero-probability entry (zeros inside and across blocks, a padded last block), and a row's
+    draw depends on its own probabilities and uniform only."""
+    from gspo.rollout.sampler import _draw
+
+    g = torch.Generator().manual_seed(0)
+    probs = torch.rand((64, 23), generator=g)
+    probs[:, [0, 3, 4, 5, 6, 7, 12, 22]] = 0.0  # a whole block of 4 (4..7) and the edges
+    probs[1] = 0.0
+    probs[1, 9] = 2.0  # a one-hot row
+    u = torch.rand(64, dtype=torch.float64, generator=g)
+    u[:4] = torch.tensor([0.0, 1 - 2.0 ** -53, 0.5, 1e-300], dtype=torch.float64)
+    cdf = probs.double().cumsum(-1)
+    expect = torch.searchsorted(cdf, u[:, None] * cdf[:, -1:], right=True).squeeze(-1)
+    for block in (1, 4, 5, 256):
+        got = _draw(probs, u, block=block)
+        assert (probs.gather(1, got[:, None]) > 0).all(), block
+        assert torch.equal(got[4:], expect[4:]), block  # rows 0-3: edge uniforms
+    assert int(_draw(probs[1:2], u[1:2])) == 9
+
+
+def test_draw_frequencies_match_the_distribution():
+    from gspo.rollout.sampler import _draw
+
+    p = torch.tensor([0.1, 0.0, 0.25, 0.05, 0.0, 0.3, 0.2, 0.1])
+    n = 200_000
+    u = torch.rand(n, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    counts = torch.bincount(_draw(p.expand(n, -1), u, block=3), minlength=8).double() / n
+    sigma = (p.double() * (1 - p.double()) / n).sqrt()
+    assert ((counts - p.double()).abs() <= 5 * sigma + 1e-12).all(), counts
+
+
+def test_reserved_kv_cache_samples_exactly_like_the_growing_one(monkeypatch):
+    """The KV cache with reserved room gives the same tokens and log-probs as transformers'
+    concatenating cache, with rows finishing early (batch_select_indices on it)."""
+    import gspo.rollout.sampler as sampler
+
+    model, _, prompts = _setup(seed=3)
+    params = SamplingParams(max_new_tokens=12, temperature=1.0)
+    eos = list(range(1, 40))
+
+    def run():
+        gens = [torch.Generator().manual_seed(9 + i) for i in range(len(prompts))]
+        return generate(model, prompts, group_size=3, params=params, eos=eos, pad_id=0,
+                        generator=gens)
+
+    reserved = run()
+    monkeypatch.setattr(sampler, "_reserve", lambda cache, extra: None)
+    growing = run()
+    assert reserved.response_ids == growing.response_ids
+    assert len({len(r) for r in reserved.response_ids}) > 1  # rows did finish early
+    for a, b in zip(reserved.logprobs, growing.logprobs):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def test_reserved_layer_grows_past_its_room():
+    from transformers.cache_utils import DynamicLayer
+
+    from gspo.rollout.sampler import _ReservedLayer
+
+    base = DynamicLayer()
+    k = torch.randn(2, 1, 3, 4)
+    base.update(k, -k)
+    layer = _ReservedLayer(base, extra=1)
+    steps = [torch.randn(2, 1, 1, 4) for _ in range(3)]  # one more than reserved
+    for s in steps:
+        keys, values = layer.update(s, -s)
+    assert torch.equal(keys, torch.cat([k, *steps], dim=2)) and torch.equal(values, -keys)
+    layer.batch_select_indices(torch.tensor([1]))
+    assert torch.equal(layer.keys, keys[1:]) and layer.get_seq_length() == 6
+
+
+def test_a_groups_samples_do_not_depend_on_the_other_prompts():
+    model, _, prompts = _setup(seed=2)
+    params = SamplingParams(max_new_tokens=8)
+
+    def run(ps, seeds):
+        return generate(model, ps, group_size=3, params=params, eos=[1], pad_id=0,
+                        generator=[torch.Generator().manual_seed(s) for s in seeds]).response_ids
+
+    both = run(prompts[:2], [11, 12])
+    assert run(prompts[:1], [11]) == both[:3]
+    assert run(prompts[1:2], [12]) == both[3:]

@@ -14,6 +14,11 @@ def starts_with_digit(prompts, completions, **_):
     return [float(bool(c) and c[0].isdigit()) for c in completions]
 
 
+def char_codes(prompts, completions, **_):
+    """A reward that differs within almost every group: a step with it moves the weights."""
+    return [float(sum(map(ord, c)) % 97) for c in completions]
+
+
 def _cfg(tmp_path, name, *extra):
     return load_config(None, [
         "model=tiny:llama", f"output_dir={tmp_path}", f"run_name={name}", "progress=false",
@@ -83,15 +88,16 @@ def test_packed_and_plain_logprob_paths_give_the_same_update(tmp_path):
                          "task.eval_size=0", "rollout.group_size=4", "optim.lr=1e-2",
                          "objective.name=grpo", "objective.eps_low=0.2",
                          "objective.eps_high=0.27", f"logprob_packing={packing}"),
-                    reward_fns=[starts_with_digit]).setup()
+                    reward_fns=[char_codes]).setup()
         assert (t.logprob_fn is shared_prefix_logprobs) == (packing == "true")
         t.train()
         row = json.loads(open(t.run_dir / "metrics.jsonl").readline())
         assert row["train/grad_norm"] > 1e-3  # the step moved the weights
         out[packing] = _weights(t.run_dir, 1), row["objective/seq_ratio_std"]
     assert out["true"][1] == pytest.approx(out["false"][1], rel=1e-3, abs=1e-7)
-    for k in out["true"][0]:
-        torch.testing.assert_close(out["true"][0][k], out["false"][0][k], rtol=1e-4, atol=1e-5)
+    for k in out["true"][0]:  # Adam's first step ≈ lr·sign(g): a gradient entry near zero
+        # turns fp32 rounding into up to ~1e-5 of weight; a wrong path moves weights by ~1e-2
+        torch.testing.assert_close(out["true"][0][k], out["false"][0][k], rtol=1e-3, atol=1e-4)
 
 
 def test_rollout_logprobs_skip_the_old_pass_except_on_check_steps(tmp_path, monkeypatch):
@@ -102,10 +108,61 @@ def test_rollout_logprobs_skip_the_old_pass_except_on_check_steps(tmp_path, monk
                       reward_fns=[starts_with_digit]).setup()
     calls = []
     real = trainer.old_logprobs
-    monkeypatch.setattr(trainer, "old_logprobs", lambda b: calls.append(1) or real(b))
+    monkeypatch.setattr(trainer, "old_logprobs",
+                        lambda b, rows=None: calls.append(1) or real(b, rows))
     trainer.train()
     rows = [json.loads(x) for x in open(trainer.run_dir / "metrics.jsonl")]
     rows = [r for r in rows if "reward/mean" in r]
     assert len(calls) == 2  # steps 0 and 2 of 0, 1, 2
     assert ["train/entropy" in r for r in rows] == [True, False, True]
     assert all("objective/clip_frac_tokens" in r for r in rows)
+
+
+@pytest.mark.parametrize("objective", ["gspo", "grpo"])
+def test_first_minibatch_forward_as_pi_old_gives_the_same_step(tmp_path, monkeypatch, objective):
+    """The π_old pass skips the first minibatch's rows and that minibatch's own forward (at
+    θ = θ_old) supplies them: same weights, ratio stats, entropy and sampler gap as the full
+    recompute, with the pass run on the other rows only."""
+    import gspo.trainer.trainer as trainer_mod
+
+    eps = ("objective.eps_low=0.2", "objective.eps_high=0.27") if objective == "grpo" else ()
+    out = {}
+    for reuse in (True, False):
+        if not reuse:
+            monkeypatch.setattr(trainer_mod, "reuse_first_forward", lambda *a: False)
+        t = Trainer(_cfg(tmp_path, f"r{reuse}{objective}", "steps=2", "eval_before=false",
+                         "task.eval_size=0", f"objective.name={objective}", *eps,
+                         "objective.num_minibatches=3", "optim.lr=1e-3"),
+                    reward_fns=[char_codes]).setup()
+        rows_seen = []
+
+        def spy(b, rows=None, real=t.old_logprobs, seen=rows_seen):
+            seen.append(len(b["input_ids"]) if rows is None else len(rows))
+            return real(b, rows)
+
+        monkeypatch.setattr(t, "old_logprobs", spy)
+        t.train()
+        assert rows_seen == ([16, 16] if reuse else [24, 24])  # 24 rows in 3 minibatches
+        out[reuse] = (_weights(t.run_dir, 2),
+                      [json.loads(x) for x in open(t.run_dir / "metrics.jsonl")])
+    for k in out[True][0]:
+        torch.testing.assert_close(out[True][0][k], out[False][0][k], rtol=1e-3, atol=1e-4)
+    for a, b in zip(out[True][1], out[False][1]):
+        assert a["train/grad_norm"] > 1e-3
+        for key in ("train/entropy", "train/grad_norm", "objective/seq_ratio_mean",
+                    "objective/clip_frac_tokens", "reward/mean"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+        assert a["rollout/logprob_gap_abs_max"] < 3e-5
+
+
+def test_dropout_keeps_the_full_pi_old_pass():
+    from gspo.models.tiny import build_tiny
+    from gspo.trainer.distributed import Dist
+    from gspo.trainer.update import has_dropout, reuse_first_forward
+
+    model, _ = build_tiny("llama")
+    objective = load_config(None, []).objective
+    assert not has_dropout(model) and reuse_first_forward(model, objective, Dist(), False)
+    assert not reuse_first_forward(model, objective, Dist(), True)  # MoE: π_old routing
+    model.config.attention_dropout = 0.1
+    assert has_dropout(model) and not reuse_first_forward(model, objective, Dist(), False)
