@@ -81,13 +81,15 @@ def _step(wall: float, cpu: float, rollout: tuple[float, float], response_tokens
 
 
 # Extra overrides of each gspo arm over the shared settings. "gspo" is gspo as shipped (the
-# defaults: shared-prompt log-prob packing, fused AdamW, π_old recomputed in fp32) and does the
-# same work as TRL; "gspo_plain" switches packing and the fused optimizer off; "gspo_rollout_lp"
+# defaults: shared-prompt log-prob packing, fused AdamW, freed memory kept for reuse, π_old
+# recomputed in fp32, by the first minibatch's own forward for its rows) and does the same work
+# as TRL; "gspo_plain" switches packing, the fused optimizer and the memory reuse off;
+# "gspo_rollout_lp"
 # takes π_old from the sampler's fp32 log-probs and skips the trainer's π_old pass (the paper's
 # Sec. 5.4 setting: less work than TRL, which always recomputes here).
 GSPO_ARMS: dict[str, list[str]] = {
     "gspo": [],
-    "gspo_plain": ["logprob_packing=false", "optim.fused=false"],
+    "gspo_plain": ["logprob_packing=false", "optim.fused=false", "keep_freed_memory=false"],
     "gspo_rollout_lp": ["objective.old_logprobs=rollout", "logging.rollout_check_every=0"],
 }
 

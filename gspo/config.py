@@ -220,6 +220,9 @@ class TrainConfig:
     eval_before: bool = _f(True, "evaluate held-out accuracy before training")
     eval_every: int = _f(0, "evaluate every k steps (0: only before/after)")
     num_threads: int = _f(0, "torch CPU threads (0: torch's default)")
+    keep_freed_memory: bool = _f(
+        True, "glibc: keep freed CPU memory for reuse instead of page-faulting fresh memory in "
+        "for every large tensor (faster steps; RSS stays at its peak)")
     progress: bool = _f(True, "show a progress bar")
     tensorboard: bool = _f(True, "also write TensorBoard event files (skipped if not installed)")
     task: TaskConfig = field(default_factory=TaskConfig)

@@ -32,6 +32,7 @@ from gspo.rollout.sampler import eos_ids
 from gspo.trainer.checkpoint import latest_checkpoint, load_checkpoint_state, save_checkpoint
 from gspo.trainer.distributed import prepare as prepare_distributed
 from gspo.trainer.evaluate import evaluate
+from gspo.trainer.host import keep_freed_memory
 from gspo.trainer.metrics import MetricsLogger, mean_stats, rollout_metrics
 from gspo.trainer.moe_hooks import routing_change_after_update
 from gspo.trainer.reliability import Reliability
@@ -99,6 +100,8 @@ class Trainer(Reliability):
         cfg = self.cfg
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
+        if cfg.keep_freed_memory:
+            keep_freed_memory()
         torch.manual_seed(cfg.seed)
         # Resolve everything that can fail on user input before touching the disk.
         resume_ckpt = self._resume_checkpoint()
