@@ -1,10 +1,12 @@
 """Update-phase FLOP/s against this machine's fp32 matmul peak, and log-prob-step memory.
 
 1. Peak: ``torch.mm`` on the update's own matmul shapes (and 2048²), measured in this run.
-2. Update phase = the π_old pass (no grad, with entropy) + gspo's ``policy_update`` (GSPO,
-   ``minibatches`` AdamW steps) on one rollout batch (B prompts × G responses), through the
-   plain :func:`token_logprobs` and through :func:`gspo.models.packing.shared_prefix_logprobs`
-   (``logprob_packing``, the default), interleaved. FLOPs are counted with
+2. Update phase = the π_old pass (no grad, with entropy; rows outside the first minibatch, as
+   the trainer runs it) + gspo's ``policy_update`` (GSPO, ``minibatches`` AdamW steps, the
+   first one's forward supplying π_old for its rows) on one rollout batch (B prompts × G
+   responses), through the plain :func:`token_logprobs` and through
+   :func:`gspo.models.packing.shared_prefix_logprobs` (``logprob_packing``, the default),
+   interleaved. FLOPs are counted with
    ``torch.utils.flop_counter.FlopCounterMode`` (matmuls and attention, forward and backward).
 3. Memory: the log-prob step alone (fp32 head V × H, T positions) in a child process per
    variant: gspo's ``token_logprobs`` (chunked head with a hand-written backward), autograd with
@@ -84,24 +86,31 @@ def rollout_batch(tok: Any, prompts: int, group: int, response_len: int,
 
 def update_phase(model: Any, optimizer: Any, batch: dict[str, torch.Tensor], *, packed: bool,
                  minibatches: int, seed: int) -> None:
-    """π_old pass + policy_update, as Trainer.train_step runs them (fp32, GSPO, β = 0)."""
+    """π_old pass + policy_update, as Trainer.train_step runs them (fp32, GSPO, β = 0): the
+    π_old pass covers the rows outside the first minibatch, whose own forward gives the rest."""
     from gspo.config import ObjectiveConfig
-    from gspo.trainer.update import UpdateBatch, policy_update
+    from gspo.trainer.update import UpdateBatch, minibatch_plan, policy_update
 
     logprobs_fn = logprob_path(packed)
+    objective = ObjectiveConfig(num_minibatches=minibatches)
+    n = batch["input_ids"].shape[0]
+    plan = minibatch_plan(n, objective, torch.Generator().manual_seed(seed))
+    rest = torch.ones(n, dtype=torch.bool)
+    rest[plan[0][0]] = False
+    old, entropy = torch.zeros(batch["input_ids"].shape), torch.zeros(batch["input_ids"].shape)
+    width = int(batch["attention_mask"][rest].sum(-1).max())
+    cols = [batch[k][rest, :width] for k in ("input_ids", "attention_mask", "response_mask")]
     model.eval()
     with torch.no_grad():
-        old, _ = logprobs_fn(model, batch["input_ids"], batch["attention_mask"],
-                             batch["response_mask"], with_entropy=True)
-    n = batch["input_ids"].shape[0]
+        old[rest, :width], entropy[rest, :width] = logprobs_fn(model, *cols, with_entropy=True)
     adv = torch.randn(n, generator=torch.Generator().manual_seed(seed))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     policy_update(model, optimizer, scheduler,
                   UpdateBatch(batch["input_ids"], batch["attention_mask"],
-                              batch["response_mask"], old, adv),
-                  objective=ObjectiveConfig(num_minibatches=minibatches), temperature=1.0,
-                  chunk=256, grad_clip=1.0, generator=torch.Generator().manual_seed(seed),
-                  logprob_fn=logprobs_fn)
+                              batch["response_mask"], old, adv, old_from_first_minibatch=True,
+                              entropy=entropy),
+                  objective=objective, temperature=1.0, chunk=256, grad_clip=1.0,
+                  generator=torch.Generator(), logprob_fn=logprobs_fn, plan=plan)
 
 
 def count_flops(fn: Any) -> float:
@@ -172,7 +181,9 @@ def memory_child(spec: dict[str, Any]) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- driver
 def run_update(a: argparse.Namespace) -> dict[str, Any]:
     from gspo.models import load_model
+    from gspo.trainer.host import keep_freed_memory
 
+    keep_freed_memory()  # as the trainer (keep_freed_memory=true)
     model, tok = load_model(a.model)
     batch = rollout_batch(tok, a.prompts, a.group_size, a.response_len)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-7, fused=True)  # as the trainer
