@@ -89,14 +89,18 @@ def update_phase(model: Any, optimizer: Any, batch: dict[str, torch.Tensor], *, 
     """π_old pass + policy_update, as Trainer.train_step runs them (fp32, GSPO, β = 0): the
     π_old pass covers the rows outside the first minibatch, whose own forward gives the rest."""
     from gspo.config import ObjectiveConfig
-    from gspo.trainer.update import UpdateBatch, minibatch_plan, policy_update
+    from gspo.trainer.update import (
+        UpdateBatch,
+        minibatch_plan,
+        outside_first_minibatch,
+        policy_update,
+    )
 
     logprobs_fn = logprob_path(packed)
     objective = ObjectiveConfig(num_minibatches=minibatches)
     n = batch["input_ids"].shape[0]
     plan = minibatch_plan(n, objective, torch.Generator().manual_seed(seed))
-    rest = torch.ones(n, dtype=torch.bool)
-    rest[plan[0][0]] = False
+    rest = outside_first_minibatch(plan, n)
     old, entropy = torch.zeros(batch["input_ids"].shape), torch.zeros(batch["input_ids"].shape)
     width = int(batch["attention_mask"][rest].sum(-1).max())
     cols = [batch[k][rest, :width] for k in ("input_ids", "attention_mask", "response_mask")]

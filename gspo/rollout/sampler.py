@@ -131,8 +131,9 @@ class _ReservedLayer(DynamicLayer):
     """A KV-cache layer with room reserved for the tokens still to come.
 
     ``DynamicLayer.update`` concatenates, copying the whole cache of every layer at every decode
-    step (15% of a SmolLM2 rollout, measured); this one writes each step's keys and values into a
-    buffer allocated once and hands out views of its filled part, which hold the same numbers.
+    step, which grows with the square of the response length; this one writes each step's keys
+    and values into a buffer allocated once and hands out views of its filled part, which hold
+    the same numbers. (At 32 new tokens on SmolLM2 the two measured the same speed.)
     """
 
     def __init__(self, layer: DynamicLayer, extra: int) -> None:

@@ -37,7 +37,13 @@ from gspo.trainer.metrics import MetricsLogger, mean_stats, rollout_metrics
 from gspo.trainer.moe_hooks import routing_change_after_update
 from gspo.trainer.reliability import Reliability
 from gspo.trainer.tracking import with_trackers
-from gspo.trainer.update import UpdateBatch, minibatch_plan, policy_update, reuse_first_forward
+from gspo.trainer.update import (
+    UpdateBatch,
+    minibatch_plan,
+    outside_first_minibatch,
+    policy_update,
+    reuse_first_forward,
+)
 
 # Rollout engines that cannot return the experts they routed to (routing replay R3), and why.
 # vLLM 0.32 has ``enable_return_routed_experts``, but it needs Model Runner V2, which needs
@@ -396,9 +402,7 @@ class Trainer(Reliability):
         plan, rest = None, None  # plan None: policy_update draws it from ``gen`` (same draw)
         if reuse:
             plan = minibatch_plan(len(roll), cfg.objective, gen)
-            first = torch.zeros(len(roll), dtype=torch.bool)
-            first[plan[0][0]] = True
-            rest = (~first).nonzero().squeeze(-1)
+            rest = outside_first_minibatch(plan, len(roll))
         old, entropy, routing, recomputed = batch["old_logprobs"], None, None, None
         if self._recompute_old():
             recomputed, entropy, routing = self.old_logprobs(batch, rest)

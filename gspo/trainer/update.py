@@ -122,6 +122,14 @@ def minibatch_plan(n: int, objective: Any, generator: torch.Generator
             for _ in range(objective.epochs)]
 
 
+def outside_first_minibatch(plan: list[list[torch.Tensor]], n: int) -> torch.Tensor:
+    """Indices of the ``n`` rows that the plan's first minibatch does not hold (the rows the
+    π_old pass still computes when that minibatch's forward supplies its own π_old)."""
+    rest = torch.ones(n, dtype=torch.bool)
+    rest[plan[0][0]] = False
+    return rest.nonzero().squeeze(-1)
+
+
 def reuse_first_forward(model: Any, objective: Any, dist: Dist, moe: bool) -> bool:
     """Whether π_old of the first minibatch can come from its own forward (one process, a dense
     policy, π_old recomputed, no dropout: then that forward runs at θ = θ_old and gives π_old
