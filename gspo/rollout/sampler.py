@@ -8,7 +8,10 @@ Differences from ``model.generate`` that matter for RL:
 - tokens are drawn by inverse CDF (one uniform per row and step, drawn up front), not
   ``torch.multinomial``, so the same seed gives different samples than ``model.generate``
   (same distribution);
-- the KV cache has room reserved for the new tokens instead of growing by concatenation.
+- the KV cache has room reserved for the new tokens instead of growing by concatenation;
+- with ``fast_decode`` (Llama-family dense models), decode steps run through
+  :class:`gspo.models.decode.DenseDecoder`, the same arithmetic as ``forward`` without its
+  per-call overhead; the prefill always runs through ``forward``.
 
 With ``record_routing=True`` (MoE policies, routing replay R3) the experts every router chose
 for every token fed through the model are recorded and returned in ``Rollout.routing``, laid out
@@ -23,6 +26,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import DynamicLayer
 
+from gspo.models.decode import DenseDecoder, unsupported
 from gspo.rollout.batch import Rollout
 
 
@@ -79,6 +83,11 @@ def _draw(probs: torch.Tensor, u: torch.Tensor, block: int = _BLOCK) -> torch.Te
     cumulative mass exceeds a target strictly below the total.
     """
     n, v = probs.shape
+    if v <= 4 * block:  # small vocabulary: one fp64 running sum is cheaper than two levels
+        cdf = probs.cumsum(-1, dtype=torch.float64)
+        total = cdf[:, -1:]
+        target = torch.minimum(u.view(n, 1) * total, total * (1 - 2.0 ** -52))
+        return torch.searchsorted(cdf, target, right=True).squeeze(-1)
     nb = -(-v // block)
     if nb * block != v:
         probs = torch.nn.functional.pad(probs, (0, nb * block - v))
@@ -235,7 +244,8 @@ class _RoutingLog:
 def generate(model: Any, prompts: list[list[int]], *, group_size: int, params: SamplingParams,
              eos: list[int], pad_id: int,
              generator: torch.Generator | list[torch.Generator] | None = None,
-             greedy: bool = False, record_routing: bool = False) -> Rollout:
+             greedy: bool = False, record_routing: bool = False,
+             fast_decode: bool = True) -> Rollout:
     """Sample ``group_size`` responses for each prompt; rows of a group are contiguous.
 
     ``generator`` may be a list with one generator per prompt: each group then draws from its
@@ -244,6 +254,9 @@ def generate(model: Any, prompts: list[list[int]], *, group_size: int, params: S
     ``record_routing`` (supported MoE models only) fills ``Rollout.routing`` with the experts the
     routers chose while sampling, in ``pad_batch`` layout (see :class:`_RoutingLog`); off, no hook
     is registered and nothing is recorded.
+
+    ``fast_decode`` runs the decode steps through :class:`gspo.models.decode.DenseDecoder` when
+    the model is one it covers (and no routing is recorded); else through ``forward``.
     """
     was_training = model.training
     model.eval()
@@ -252,8 +265,9 @@ def generate(model: Any, prompts: list[list[int]], *, group_size: int, params: S
     log = (_RoutingLog(model, [len(p) for p in prompts], group_size, params.max_new_tokens)
            if record_routing else None)
     try:
+        lean = fast_decode and log is None and unsupported(model) is None
         roll = _generate(model, prompts, ids, mask, positions, group_size, params, eos,
-                         generator, greedy, log)
+                         generator, greedy, log, lean)
     finally:
         if log is not None:
             log.close()
@@ -266,7 +280,7 @@ def generate(model: Any, prompts: list[list[int]], *, group_size: int, params: S
 def _generate(model: Any, prompts: list[list[int]], ids: torch.Tensor, mask: torch.Tensor,
               positions: torch.Tensor, group_size: int, params: SamplingParams, eos: list[int],
               generator: torch.Generator | list[torch.Generator] | None, greedy: bool,
-              log: _RoutingLog | None) -> Rollout:
+              log: _RoutingLog | None, lean: bool) -> Rollout:
     out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                 logits_to_keep=1)
     if log is not None:
@@ -277,34 +291,47 @@ def _generate(model: Any, prompts: list[list[int]], ids: torch.Tensor, mask: tor
         logits = logits.repeat_interleave(group_size, 0)
         mask = mask.repeat_interleave(group_size, 0)
     n, steps = logits.shape[0], params.max_new_tokens
-    _reserve(cache, steps)
+    decoder = DenseDecoder(model, cache, mask, steps) if lean else None
+    if decoder is None:
+        _reserve(cache, steps)
+    else:
+        out = cache = None  # the decoder holds its own copy of the prefill's keys and values
     u = None if greedy else _uniforms(n, group_size, steps, generator)
     next_pos = mask.sum(-1)
     active = torch.arange(n)
     # Written in place, one column per step, for the rows still decoding.
     tokens = torch.zeros((n, steps), dtype=torch.long)
     lps = torch.zeros((n, steps), dtype=torch.float32)
-    lengths = torch.zeros(n, dtype=torch.long)
+    lengths = torch.full((n,), steps, dtype=torch.long)  # set when a row ends early
     done = torch.zeros(n, dtype=torch.bool)
     eos_t = torch.tensor(eos, dtype=torch.long)
     for step in range(steps):
         tok, tok_lp = _next_tokens(logits, params, None if u is None else u[active, step])
         tokens[active, step], lps[active, step] = tok, tok_lp
-        lengths[active] += 1
         finished = torch.isin(tok, eos_t)
-        done[active[finished]] = True
-        if step == steps - 1 or bool(finished.all()):
-            break
-        if bool(finished.any()):  # drop finished rows from the decode batch and the KV cache
+        last = step == steps - 1
+        if last or bool(finished.any()):
+            ended = active[finished]
+            done[ended], lengths[ended] = True, step + 1
+            if last or bool(finished.all()):
+                break
+            # drop the finished rows from the decode batch and the KV cache
             keep = (~finished).nonzero().squeeze(-1)
-            cache.batch_select_indices(keep)
+            if decoder is None:
+                cache.batch_select_indices(keep)
+            else:
+                decoder.keep(keep)
             active, tok, mask, next_pos = active[keep], tok[keep], mask[keep], next_pos[keep]
-        mask = torch.cat([mask, torch.ones((mask.shape[0], 1), dtype=mask.dtype)], dim=1)
-        out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos[:, None],
-                    cache=cache, use_cache=True)
-        if log is not None:
-            log.decode(step, active)
-        logits, next_pos = out.logits[:, -1], next_pos + 1
+        if decoder is not None:
+            logits = decoder.step(tok, next_pos)
+        else:
+            mask = torch.cat([mask, torch.ones((mask.shape[0], 1), dtype=mask.dtype)], dim=1)
+            out = model(input_ids=tok[:, None], attention_mask=mask,
+                        position_ids=next_pos[:, None], cache=cache, use_cache=True)
+            if log is not None:
+                log.decode(step, active)
+            logits = out.logits[:, -1]
+        next_pos = next_pos + 1
     rows = lengths.tolist()
     return Rollout(
         prompt_ids=[list(p) for p in prompts for _ in range(group_size)],
@@ -316,8 +343,8 @@ def _generate(model: Any, prompts: list[list[int]], ids: torch.Tensor, mask: tor
 
 
 def greedy_generate(model: Any, prompts: list[list[int]], *, max_new_tokens: int, eos: list[int],
-                    pad_id: int) -> list[list[int]]:
+                    pad_id: int, fast_decode: bool = True) -> list[list[int]]:
     """Greedy responses (evaluation)."""
     roll = generate(model, prompts, group_size=1, params=SamplingParams(max_new_tokens),
-                    eos=eos, pad_id=pad_id, greedy=True)
+                    eos=eos, pad_id=pad_id, greedy=True, fast_decode=fast_decode)
     return roll.response_ids

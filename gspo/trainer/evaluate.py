@@ -13,7 +13,7 @@ from gspo.rollout import greedy_generate
 @torch.no_grad()
 def evaluate(model: Any, tokenizer: Any, examples: list[Any], scorer: Any, *,
              chat_template: bool, system_prompt: str, max_new_tokens: int, eos: list[int],
-             pad_id: int, batch_size: int = 32) -> dict[str, float]:
+             pad_id: int, batch_size: int = 32, fast_decode: bool = True) -> dict[str, float]:
     """Greedy responses scored by the run's reward functions.
 
     ``accuracy`` is the share of prompts given full marks (reward equal to the sum of the reward
@@ -26,7 +26,7 @@ def evaluate(model: Any, tokenizer: Any, examples: list[Any], scorer: Any, *,
         prompts = [format_prompt(tokenizer, ex.prompt, chat_template=chat_template,
                                  system_prompt=system_prompt) for ex in chunk]
         out = greedy_generate(model, prompts, max_new_tokens=max_new_tokens, eos=eos,
-                              pad_id=pad_id)
+                              pad_id=pad_id, fast_decode=fast_decode)
         completions = tokenizer.batch_decode(out, skip_special_tokens=True)
         columns: dict[str, list] = {"answer": [ex.answer for ex in chunk]}
         for key in chunk[0].columns:

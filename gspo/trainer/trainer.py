@@ -287,7 +287,7 @@ class Trainer(Reliability):
         with self.dist.full_weights(self.model):
             roll = generate(self.model, prompts, group_size=cfg.group_size, params=params,
                             eos=self.eos, pad_id=self.pad_id, generator=gens,
-                            record_routing=self._r3)
+                            record_routing=self._r3, fast_decode=cfg.fast_decode)
         return examples, roll
 
     @property
@@ -458,7 +458,7 @@ class Trainer(Reliability):
                         chat_template=self.cfg.task.chat_template,
                         system_prompt=self.cfg.task.system_prompt,
                         max_new_tokens=self.cfg.rollout.eval_max_new_tokens, eos=self.eos,
-                        pad_id=self.pad_id)
+                        pad_id=self.pad_id, fast_decode=self.cfg.rollout.fast_decode)
 
     def train(self) -> dict[str, Any]:
         """Run to ``cfg.steps``, evaluate, checkpoint; returns the before/after evaluation.

@@ -1,0 +1,117 @@
+"""The lean decode step equals Hugging Face's ``forward`` to fp32 rounding."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+
+from gspo.models.decode import DenseDecoder, unsupported
+from gspo.models.moe import tiny_moe_config
+from gspo.models.tiny import build_tiny
+from gspo.rollout import SamplingParams, generate, greedy_generate
+from gspo.rollout.sampler import _left_pad
+
+SIZES = dict(vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=3,
+             num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=128)
+
+
+def _model(kind: str, seed: int = 0):
+    if kind == "llama":
+        cfg = LlamaConfig(**SIZES, rope_scaling={"rope_type": "linear", "factor": 2.0})
+    elif kind == "llama_dynamic":  # rope that adapts to the length seen: computed per step
+        cfg = LlamaConfig(**{**SIZES, "max_position_embeddings": 12},
+                          rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    elif kind == "qwen2":  # biases on q/k/v
+        cfg = Qwen2Config(**SIZES)
+    else:  # qwen3: RMS norm on each query/key head; head_dim not hidden / heads
+        cfg = Qwen3Config(**SIZES, head_dim=16)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():  # nonzero biases and norm weights, so a skipped one shows
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.3)
+    return model
+
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17]]
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+@pytest.mark.parametrize("kind", ["llama", "llama_dynamic", "qwen2", "qwen3"])
+def test_decode_steps_equal_forward_with_padding_and_dropped_rows(kind, fuse):
+    model = _model(kind)
+    assert unsupported(model) is None
+    ids, mask = _left_pad(PROMPTS, 0)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
+        lean = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
+    decoder = DenseDecoder(model, lean.cache, mask, extra=6, fuse=fuse)
+    assert all(layer.fused == fuse for layer in decoder.layers)
+    assert (decoder.rope_table is None) == (kind == "llama_dynamic")
+    cache, next_pos, rows = ref.cache, mask.sum(-1), torch.arange(3)
+    gen = torch.Generator().manual_seed(0)
+    for step in range(6):
+        if step == 3:  # drop the middle row, as the sampler does when a row finishes
+            keep = torch.tensor([0, 2])
+            cache.batch_select_indices(keep)
+            decoder.keep(keep)
+            mask, next_pos, rows = mask[keep], next_pos[keep], rows[keep]
+        tok = torch.randint(3, 97, (len(rows),), generator=gen)
+        mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=mask.dtype)], dim=1)
+        with torch.no_grad():
+            out = model(input_ids=tok[:, None], attention_mask=mask,
+                        position_ids=next_pos[:, None], cache=cache, use_cache=True)
+        got = decoder.step(tok, next_pos)
+        torch.testing.assert_close(got, out.logits[:, -1], rtol=0, atol=2e-5)
+        next_pos = next_pos + 1
+
+
+def test_generate_with_and_without_the_lean_decoder_agree():
+    model, _ = build_tiny("llama", seed=3)
+    prompts = [[2, 40, 41, 42, 43], [2, 50], [2, 60, 61, 62]]
+    eos = list(range(1, 40))  # rows end at different steps, so rows get dropped
+    params = SamplingParams(max_new_tokens=12, temperature=0.9)
+    runs = [generate(model, prompts, group_size=4, params=params, eos=eos, pad_id=0,
+                     generator=[torch.Generator().manual_seed(s) for s in range(3)],
+                     fast_decode=fast) for fast in (True, False)]
+    assert runs[0].response_ids == runs[1].response_ids
+    assert len({len(r) for r in runs[0].response_ids}) > 1
+    for a, b in zip(runs[0].logprobs, runs[1].logprobs):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    greedy = [greedy_generate(model, prompts, max_new_tokens=12, eos=eos, pad_id=0,
+                              fast_decode=fast) for fast in (True, False)]
+    assert greedy[0] == greedy[1]
+
+
+def test_models_it_does_not_cover_are_named_and_fall_back_to_forward():
+    moe = AutoModelForCausalLM.from_config(tiny_moe_config("qwen3_moe"))
+    assert "qwen3_moe" in unsupported(moe)
+    sliding = AutoModelForCausalLM.from_config(
+        Qwen2Config(**SIZES, use_sliding_window=True, sliding_window=4, max_window_layers=0))
+    assert "sliding" in unsupported(sliding)
+    llama = _model("llama")
+    llama.model.layers[1].mlp.up_proj = torch.nn.Sequential(llama.model.layers[1].mlp.up_proj)
+    assert "Sequential" in unsupported(llama)
+    hooked = _model("qwen2")
+    handle = hooked.lm_head.register_forward_pre_hook(lambda _, args: (args[0] * 2,))
+    assert "hooks" in unsupported(hooked)
+    handle.remove()
+    assert unsupported(hooked) is None
+    hooked.lm_head.double()
+    assert "mixed dtypes" in unsupported(hooked)
+    with pytest.raises(ValueError, match="DenseDecoder: projection Sequential"):
+        DenseDecoder(llama, None, torch.ones(1, 1), 1)
+    # generate() still runs them, through forward
+    roll = generate(moe, [[3, 4, 5]], group_size=2, params=SamplingParams(4), eos=[1], pad_id=0,
+                    generator=torch.Generator().manual_seed(0))
+    assert len(roll) == 2
+
+
+def test_lora_wrapped_projections_fall_back():
+    from peft import LoraConfig, get_peft_model
+
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**SIZES))
+    peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    assert unsupported(peft_model) is not None
+    assert unsupported(peft_model.get_base_model()) is not None
