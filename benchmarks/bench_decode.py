@@ -3,7 +3,10 @@
 A decode step of B rows runs every linear layer once on B rows, reading all the weights. This
 script times, on one thread:
 
-1. one KV-cached decode step of the model at batch B (context ``--context`` tokens), median;
+1. one KV-cached decode step of the model at batch B (context ``--context`` tokens), median,
+   through ``forward`` and through gspo's :class:`gspo.models.decode.DenseDecoder` (the
+   sampler's default for Llama-family models: the same arithmetic without ``forward``'s
+   per-call overhead);
 2. each linear layer's ``F.linear`` on B rows and on 256 rows, in model order, so that the
    weights stream from memory as they do in a step (sum of times, GFLOP/s, weight bytes/s);
 3. the output layer alone at B rows.
@@ -57,6 +60,26 @@ def decode_step_s(model: Any, batch: int, context: int, reps: int) -> float:
 
 
 @torch.no_grad()
+def lean_step_s(model: Any, batch: int, context: int, reps: int) -> float | None:
+    """The same step through :class:`DenseDecoder` (None for models it does not cover)."""
+    from gspo.models.decode import DenseDecoder, unsupported
+
+    if unsupported(model) is not None:
+        return None
+    ids = torch.randint(3, model.config.vocab_size, (batch, context))
+    mask = torch.ones_like(ids)
+    out = model(input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1)
+    decoder = DenseDecoder(model, out["cache"], mask, reps + 1)
+    tok = torch.randint(3, model.config.vocab_size, (batch,))
+    times = []
+    for step in range(reps + 1):
+        t0 = time.process_time()
+        decoder.step(tok, torch.full((batch,), context + step))
+        times.append(time.process_time() - t0)
+    return median(times[1:])
+
+
+@torch.no_grad()
 def linear_pass(layers: list[torch.Tensor], rows: int, reps: int) -> dict[str, float]:
     """All the model's linear layers once, in order, on ``rows`` rows (weights [out, in])."""
     xs = [torch.randn(rows, w.shape[1]) for w in layers]
@@ -90,17 +113,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     head = head.weight.detach()
     layers = [*body, head]
     step = decode_step_s(model, a.batch, a.context, a.reps)
+    lean = lean_step_s(model, a.batch, a.context, a.reps)
     at_b = linear_pass(layers, a.batch, a.reps)
     at_256 = linear_pass(layers, 256, max(2, a.reps // 4))
     head_b = linear_pass([head], a.batch, a.reps)
     data = {"config": vars(a), "machine": machine(), "decode_step_s": step,
+            "dense_decoder_step_s": lean,
             "linears_at_batch": at_b, "linears_at_256": at_256, "head_at_batch": head_b,
             "weight_mb": sum(w.numel() * 4 for w in layers) / 2**20,
             "linear_share_of_step": at_b["s"] / step}
-    header = ("| model | batch | decode step (CPU s) | its linears at this batch "
+    header = ("| model | batch | decode step via forward (CPU s) | via DenseDecoder "
+              "| its linears at this batch "
               "| share of the step | the same linears at 256 rows | output layer at this batch |\n"
-              "|---|---|---|---|---|---|---|")
-    row = (f"| {a.model} | {a.batch} | {fmt(step, 4)} | {fmt(at_b['s'], 4)} s, "
+              "|---|---|---|---|---|---|---|---|")
+    lean_cell = "—" if lean is None else f"{fmt(lean, 4)} ({fmt(step / lean)}× faster)"
+    row = (f"| {a.model} | {a.batch} | {fmt(step, 4)} | {lean_cell} | {fmt(at_b['s'], 4)} s, "
            f"{fmt(at_b['gflops'], 1)} GFLOP/s, {fmt(at_b['weight_gb_s'], 1)} GB/s of weights "
            f"({fmt(data['weight_mb'], 1)} MiB) | {fmt(data['linear_share_of_step'])} | "
            f"{fmt(at_256['gflops'], 1)} GFLOP/s | {fmt(head_b['gflops'], 1)} GFLOP/s |")

@@ -87,6 +87,7 @@ def test_decode_benchmark(tmp_path):
     data = bench_decode.main(["--model", "tiny:llama", "--batch", "4", "--context", "8",
                               "--reps", "2", "--out", str(tmp_path)])
     assert data["decode_step_s"] > 0 and data["linears_at_batch"]["gflops"] > 0
+    assert data["dense_decoder_step_s"] > 0
     assert (tmp_path / "decode_tiny-llama.md").read_text().count("|") > 10
 
 
