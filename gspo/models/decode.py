@@ -11,7 +11,7 @@ rollout's ``max_new_tokens`` steps.
 
 - the KV cache lives in buffers with room reserved for every step of the rollout; rows that
   finish are dropped with one index per layer;
-- the attention mask is a boolean buffer updated in place;
+- the attention mask is an additive buffer (0 or -inf) updated in place, one column a step;
 - attention for the single query token is written out (scores, softmax, weighted sum) with the
   query heads grouped under their key/value head, as ``sdpa_attention_forward`` does for decode;
 - norms, rotary embedding and activation are the model's own modules, so their variants (rope
@@ -59,7 +59,7 @@ def unsupported(model: Any) -> str | None:
     if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()) or (
             nn.modules.module._global_forward_hooks
             or nn.modules.module._global_forward_pre_hooks):
-        return "forward hooks, which the decode step would bypass"
+        return "forward hooks, which the decode step would bypass (e.g. FSDP2's)"
     if type(getattr(model, "lm_head", None)) is not nn.Linear:
         return "the output layer is not a plain nn.Linear"
     for layer in layers:
