@@ -202,11 +202,12 @@ class DenseDecoder:
         self.rope_table = None
         if isinstance(kind, str) and "dynamic" not in kind and kind != "longrope":
             top = int(mask.sum(-1).max()) + extra
-            self.rope_table = self.rotary(self.embed.weight[:1], torch.arange(top)[None])
+            self.rope_table = self.rotary(self.embed.weight[:1],
+                                          torch.arange(top, device=mask.device)[None])
         # Additive attention mask over the cache, shared by every head and layer: 0 where a
         # row attends, -inf at its left padding and at the positions still to be filled.
         self.bias = torch.full((rows, 1, 1, width + extra), float("-inf"),
-                               dtype=self.embed.weight.dtype)
+                               dtype=self.embed.weight.dtype, device=mask.device)
         self.bias[:, 0, 0, :width].masked_fill_(mask.bool(), 0.0)
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
@@ -247,7 +248,9 @@ class DenseDecoder:
             keys, values = kb[:, :, :s + 1], vb[:, :, :s + 1]
             # The query heads of each key/value head as a [groups, d] block: [n, kv, g, d].
             scores = torch.matmul(q.view(n, -1, g, d), keys.transpose(-1, -2))
-            weights = torch.softmax(scores.mul_(self.scaling).add_(bias), dim=-1)
+            # softmax in fp32 whatever the model's dtype, as the eager attention does
+            weights = torch.softmax(scores.mul_(self.scaling).add_(bias), dim=-1,
+                                    dtype=torch.float32).to(values.dtype)
             o = torch.matmul(weights, values).reshape(n, -1)  # [n, heads * d]
             x = x + F.linear(o, layer.wo, layer.bo)
             x = x + layer.mlp(layer.norm2(x))

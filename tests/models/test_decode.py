@@ -115,3 +115,14 @@ def test_lora_wrapped_projections_fall_back():
     peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
     assert unsupported(peft_model) is not None
     assert unsupported(peft_model.get_base_model()) is not None
+
+
+def test_bf16_model_agrees_with_forward_to_bf16_rounding():
+    model, _ = build_tiny("llama", seed=1, dtype=torch.bfloat16)
+    assert unsupported(model) is None
+    runs = [generate(model, [[2, 40, 41, 42], [2, 50, 51]], group_size=3, eos=[1], pad_id=0,
+                     params=SamplingParams(10), greedy=True, fast_decode=fast)
+            for fast in (True, False)]
+    assert runs[0].response_ids == runs[1].response_ids
+    for a, b in zip(runs[0].logprobs, runs[1].logprobs):
+        torch.testing.assert_close(a, b, rtol=0, atol=2e-2)
