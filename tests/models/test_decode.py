@@ -126,3 +126,20 @@ def test_bf16_model_agrees_with_forward_to_bf16_rounding():
     assert runs[0].response_ids == runs[1].response_ids
     for a, b in zip(runs[0].logprobs, runs[1].logprobs):
         torch.testing.assert_close(a, b, rtol=0, atol=2e-2)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_written_out_rms_norm_is_bitwise_the_module(kind):
+    from gspo.models.decode import _Norm
+
+    model = _model(kind)
+    norms = [model.model.norm, model.model.layers[0].input_layernorm]
+    if kind == "qwen3":
+        norms.append(model.model.layers[0].self_attn.q_norm)
+    x = torch.randn(5, 3, norms[-1].weight.shape[0]) * 4
+    for module in norms:
+        xs = x if module.weight.shape[0] == x.shape[-1] else torch.randn(5, module.weight.shape[0])
+        norm = _Norm(module)
+        assert norm.inline
+        with torch.no_grad():
+            assert torch.equal(norm(xs), module(xs))
