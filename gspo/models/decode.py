@@ -73,9 +73,17 @@ def unsupported(model: Any) -> str | None:
     return None
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+def _signed(sin: torch.Tensor) -> torch.Tensor:
+    """``sin`` with its first half negated, for :func:`_rope`."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Llama's ``x * cos + rotate_half(x) * sin``, bitwise: ``rotate_half(x) = [-x2, x1]`` is
+    ``roll(x)`` = [x2, x1] times the sign carried by ``signed_sin`` = [-sin1, sin2] (half the
+    operations)."""
+    return torch.mul(x, cos).add_(x.roll(x.shape[-1] // 2, -1).mul_(signed_sin))
 
 
 class _Norm:
@@ -205,8 +213,9 @@ class DenseDecoder:
         self.rope_table = None
         if isinstance(kind, str) and "dynamic" not in kind and kind != "longrope":
             top = int(mask.sum(-1).max()) + extra
-            self.rope_table = self.rotary(self.embed.weight[:1],
-                                          torch.arange(top, device=mask.device)[None])
+            cos, sin = self.rotary(self.embed.weight[:1],
+                                   torch.arange(top, device=mask.device)[None])
+            self.rope_table = (cos, _signed(sin))
         # Additive attention mask over the cache, shared by every head and layer: 0 where a
         # row attends, -inf at its left padding and at the positions still to be filled.
         self.bias = torch.full((rows, 1, 1, width + extra), float("-inf"),
@@ -241,8 +250,8 @@ class DenseDecoder:
             cos, sin = (t[0, positions].view(n, 1, 1, -1) for t in self.rope_table)
         else:
             cos, sin = self.rotary(x[:, None], positions[:, None])  # [n, 1, d]
-            cos, sin = cos[:, None], sin[:, None]
-        # cos, sin: [n, 1, 1, d], broadcast over heads
+            cos, sin = cos[:, None], _signed(sin[:, None])
+        # cos, sin (first half negated): [n, 1, 1, d], broadcast over heads
         self.bias[..., s] = 0.0
         bias = self.bias[..., :s + 1]
         for layer, kb, vb in zip(self.layers, self.keys, self.values):
