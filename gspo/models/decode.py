@@ -9,8 +9,8 @@ rollout's ``max_new_tokens`` steps.
 
 :class:`DenseDecoder` reads the model's own modules and weights and runs the step directly:
 
-- the KV cache lives in buffers with room reserved for every step of the rollout; rows that
-  finish are dropped with one index per layer;
+- keys and values go into the prefill's cache through its layers' ``update`` (the sampler
+  reserves room there for every step of the rollout); rows that finish are dropped from it;
 - the attention mask is an additive buffer (0 or -inf) updated in place, one column a step;
 - attention for the single query token is written out (scores, softmax, weighted sum) with the
   query heads grouped under their key/value head, as ``sdpa_attention_forward`` does for decode;
@@ -110,12 +110,6 @@ class _Norm:
         return self.module(x)
 
 
-def _cat(*xs: torch.Tensor | None) -> torch.Tensor | None:
-    if all(x is None for x in xs):
-        return None
-    return torch.cat([x if x is not None else torch.zeros(0) for x in xs])
-
-
 # Fusing copies a layer's q/k/v and gate/up weights once per rollout and saves three matrix-product
 # calls per layer and step. Measured: worth it for small layers (tiny Llama, 0.1 MiB a layer:
 # 0.98 -> 0.89 ms a step), not for SmolLM2 (8.9 MiB a layer: the copy takes ~0.14 s a rollout,
@@ -144,14 +138,13 @@ class _Layer:
         self.down = mlp.down_proj
         projs = (attn.q_proj, attn.k_proj, attn.v_proj)
         self.splits = [p.out_features for p in projs]
-        if any(p.bias is not None for p in projs) and not all(p.bias is not None for p in projs):
-            fuse = False
-        self.fused = fuse
+        groups = (projs, (mlp.gate_proj, mlp.up_proj))
+        # a group whose projections disagree on having a bias stays unfused
+        self.fused = fuse = fuse and all(len({p.bias is None for p in g}) == 1 for g in groups)
         if fuse:
-            self.wqkv = torch.cat([p.weight for p in projs])
-            self.bqkv = _cat(*(p.bias for p in projs))
-            self.wgu = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
-            self.bgu = _cat(mlp.gate_proj.bias, mlp.up_proj.bias)
+            (self.wqkv, self.bqkv), (self.wgu, self.bgu) = (
+                (torch.cat([p.weight for p in g]),
+                 None if g[0].bias is None else torch.cat([p.bias for p in g])) for g in groups)
         self.projs, self.gate, self.up = projs, mlp.gate_proj, mlp.up_proj
 
     def qkv(self, h: torch.Tensor, n: int, d: int, cos: torch.Tensor, sin: torch.Tensor
@@ -184,10 +177,11 @@ class DenseDecoder:
     """Decode steps for a batch of rows that share a prefilled Hugging Face cache.
 
     ``cache`` is the cache ``forward`` returned for the prompts (its layers' ``keys``/``values``
-    are ``[rows, kv_heads, width, head_dim]``), ``mask`` the ``[rows, width]`` attention mask of
-    that prefill, ``extra`` the number of steps to reserve room for. Every :meth:`step` appends
-    one token per row; :meth:`keep` drops rows. ``fuse`` (default: for layers of at most
-    :data:`FUSE_MAX_BYTES` of q/k/v and gate/up weights) concatenates those weights.
+    are ``[rows, kv_heads, width, head_dim]``; each step appends to it through its layers'
+    ``update``), ``mask`` the ``[rows, width]`` attention mask of that prefill, ``extra`` the
+    number of steps to come. Every :meth:`step` appends one token per row;
+    :meth:`batch_select_indices` drops rows, from the cache too. ``fuse`` (default: for layers
+    of at most :data:`FUSE_MAX_BYTES` of q/k/v and gate/up weights) concatenates those weights.
     """
 
     def __init__(self, model: Any, cache: Any, mask: torch.Tensor, extra: int,
@@ -221,24 +215,18 @@ class DenseDecoder:
         self.bias = torch.full((rows, 1, 1, width + extra), float("-inf"),
                                dtype=self.embed.weight.dtype, device=mask.device)
         self.bias[:, 0, 0, :width].masked_fill_(mask.bool(), 0.0)
-        self.keys: list[torch.Tensor] = []
-        self.values: list[torch.Tensor] = []
+        # Keys and values are appended through the cache's own layers: the sampler swaps them
+        # for ones with room reserved for the rollout (gspo.rollout.sampler._reserve).
+        self.cache = cache
         for layer in cache.layers:
-            k, v = layer.keys, layer.values
-            if k.shape[0] != rows or k.shape[2] != width:
-                raise ValueError(f"DenseDecoder: cache layer is {tuple(k.shape)}, expected "
-                                 f"{rows} rows of width {width}")
-            kb = k.new_empty((rows, k.shape[1], width + extra, k.shape[3]))
-            vb = v.new_empty((rows, v.shape[1], width + extra, v.shape[3]))
-            kb[:, :, :width], vb[:, :, :width] = k, v
-            self.keys.append(kb)
-            self.values.append(vb)
+            if layer.keys.shape[0] != rows or layer.keys.shape[2] != width:
+                raise ValueError(f"DenseDecoder: cache layer is {tuple(layer.keys.shape)}, "
+                                 f"expected {rows} rows of width {width}")
 
-    def keep(self, rows: torch.Tensor) -> None:
+    def batch_select_indices(self, rows: torch.Tensor) -> None:
         """Keep only ``rows`` (indices into the current rows), in that order."""
         self.bias = self.bias[rows]
-        self.keys = [k[rows] for k in self.keys]
-        self.values = [v[rows] for v in self.values]
+        self.cache.batch_select_indices(rows)
 
     @torch.no_grad()
     def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -254,10 +242,9 @@ class DenseDecoder:
         # cos, sin (first half negated): [n, 1, 1, d], broadcast over heads
         self.bias[..., s] = 0.0
         bias = self.bias[..., :s + 1]
-        for layer, kb, vb in zip(self.layers, self.keys, self.values):
+        for layer, cached in zip(self.layers, self.cache.layers):
             q, k, v = layer.qkv(layer.norm1(x), n, d, cos, sin)
-            kb[:, :, s:s + 1], vb[:, :, s:s + 1] = k, v
-            keys, values = kb[:, :, :s + 1], vb[:, :, :s + 1]
+            keys, values = cached.update(k, v)  # [n, kv, s + 1, d]
             # The query heads of each key/value head as a [groups, d] block: [n, kv, g, d].
             scores = torch.matmul(q.view(n, -1, g, d), keys.transpose(-1, -2))
             # softmax in fp32 whatever the model's dtype, as the eager attention does

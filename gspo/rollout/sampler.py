@@ -291,11 +291,8 @@ def _generate(model: Any, prompts: list[list[int]], ids: torch.Tensor, mask: tor
         logits = logits.repeat_interleave(group_size, 0)
         mask = mask.repeat_interleave(group_size, 0)
     n, steps = logits.shape[0], params.max_new_tokens
+    _reserve(cache, steps)
     decoder = DenseDecoder(model, cache, mask, steps) if lean else None
-    if decoder is None:
-        _reserve(cache, steps)
-    else:
-        out = cache = None  # the decoder holds its own copy of the prefill's keys and values
     u = None if greedy else _uniforms(n, group_size, steps, generator)
     next_pos = mask.sum(-1)
     active = torch.arange(n)
@@ -317,10 +314,7 @@ def _generate(model: Any, prompts: list[list[int]], ids: torch.Tensor, mask: tor
                 break
             # drop the finished rows from the decode batch and the KV cache
             keep = (~finished).nonzero().squeeze(-1)
-            if decoder is None:
-                cache.batch_select_indices(keep)
-            else:
-                decoder.keep(keep)
+            (cache if decoder is None else decoder).batch_select_indices(keep)
             active, tok, mask, next_pos = active[keep], tok[keep], mask[keep], next_pos[keep]
         if decoder is not None:
             logits = decoder.step(tok, next_pos)

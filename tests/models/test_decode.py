@@ -55,7 +55,7 @@ def test_decode_steps_equal_forward_with_padding_and_dropped_rows(kind, fuse):
         if step == 3:  # drop the middle row, as the sampler does when a row finishes
             keep = torch.tensor([0, 2])
             cache.batch_select_indices(keep)
-            decoder.keep(keep)
+            decoder.batch_select_indices(keep)
             mask, next_pos, rows = mask[keep], next_pos[keep], rows[keep]
         tok = torch.randint(3, 97, (len(rows),), generator=gen)
         mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=mask.dtype)], dim=1)
