@@ -217,6 +217,9 @@ class TrainConfig:
     logprob_chunk: int = _f(256, "positions per chunk when computing fp32 log-probs")
     logprob_packing: bool = _f(
         True, "trainer log-prob passes run each distinct prompt once (dense models, not FSDP2)")
+    lean_forward: bool = _f(
+        True, "trainer log-prob passes of Llama/Qwen2/Qwen3 dense models skip forward()'s "
+        "per-call overhead (same arithmetic; other models always use forward)")
     gradient_checkpointing: bool = _f(False, "recompute activations in backward (saves memory)")
     save_every: int = _f(0, "checkpoint every k steps (0: only at the end)")
     keep_checkpoints: int = _f(2, "how many recent checkpoints to keep")

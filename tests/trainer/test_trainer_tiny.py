@@ -89,7 +89,8 @@ def test_packed_and_plain_logprob_paths_give_the_same_update(tmp_path):
                          "objective.name=grpo", "objective.eps_low=0.2",
                          "objective.eps_high=0.27", f"logprob_packing={packing}"),
                     reward_fns=[char_codes]).setup()
-        assert (t.logprob_fn is shared_prefix_logprobs) == (packing == "true")
+        assert (t.logprob_fn.func is shared_prefix_logprobs) == (packing == "true")
+        assert t.logprob_fn.keywords == {"lean": True}
         t.train()
         row = json.loads(open(t.run_dir / "metrics.jsonl").readline())
         assert row["train/grad_norm"] > 1e-3  # the step moved the weights
@@ -98,6 +99,26 @@ def test_packed_and_plain_logprob_paths_give_the_same_update(tmp_path):
     for k in out["true"][0]:  # Adam's first step ≈ lr·sign(g): a gradient entry near zero
         # turns fp32 rounding into up to ~1e-5 of weight; a wrong path moves weights by ~1e-2
         torch.testing.assert_close(out["true"][0][k], out["false"][0][k], rtol=1e-3, atol=1e-4)
+
+
+def test_lean_forward_gives_the_same_update_as_forward(tmp_path):
+    """lean_forward (the log-prob passes without forward()'s per-call work) against forward:
+    one step, same weights and stats; MoE policies never take it."""
+    out = {}
+    for lean in ("true", "false"):
+        t = Trainer(_cfg(tmp_path, f"l{lean}", "steps=1", "eval_before=false",
+                         "task.eval_size=0", "rollout.group_size=4", "optim.lr=1e-2",
+                         f"lean_forward={lean}"), reward_fns=[char_codes]).setup()
+        assert t.logprob_fn.keywords == {"lean": lean == "true"}
+        t.train()
+        row = json.loads(open(t.run_dir / "metrics.jsonl").readline())
+        out[lean] = _weights(t.run_dir, 1), row["objective/seq_ratio_std"]
+    assert out["true"][1] == pytest.approx(out["false"][1], rel=1e-4, abs=1e-8)
+    for k in out["true"][0]:
+        torch.testing.assert_close(out["true"][0][k], out["false"][0][k], rtol=1e-4, atol=1e-5)
+    moe = Trainer(_cfg(tmp_path, "moe", "model=tiny:qwen3_moe", "steps=1"),
+                  reward_fns=[char_codes]).setup()
+    assert moe.logprob_fn.keywords == {"lean": False}
 
 
 def test_rollout_logprobs_skip_the_old_pass_except_on_check_steps(tmp_path, monkeypatch):

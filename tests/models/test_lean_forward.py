@@ -1,0 +1,97 @@
+"""The lean sequence pass equals Hugging Face's ``forward``: log-probs, entropy and gradients."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+
+from gspo.models.lean_forward import key_bias, lean_unsupported
+from gspo.models.logprobs import token_logprobs
+from gspo.models.moe import tiny_moe_config
+from gspo.models.packing import shared_prefix_logprobs
+from gspo.rollout import pad_batch
+
+SIZES = dict(vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=3,
+             num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=128)
+
+
+def _model(kind: str):
+    if kind == "llama":
+        cfg = LlamaConfig(**SIZES, rope_scaling={"rope_type": "linear", "factor": 2.0})
+    elif kind == "llama_mha":  # as many key/value heads as query heads (no grouping)
+        cfg = LlamaConfig(**{**SIZES, "num_key_value_heads": 6})
+    elif kind == "qwen2":  # biases on q/k/v
+        cfg = Qwen2Config(**SIZES)
+    else:  # qwen3: RMS norm on each query/key head; head_dim not hidden / heads
+        cfg = Qwen3Config(**SIZES, head_dim=16)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():  # nonzero biases and norm weights, so a skipped one shows
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.3)
+    return model
+
+
+def _batch(seed=0):
+    """Right-padded rows: three prompts of different lengths, each with three responses."""
+    g = torch.Generator().manual_seed(seed)
+    prompts, responses = [], []
+    for n in (5, 9, 7):
+        p = torch.randint(3, 97, (n,), generator=g).tolist()
+        for _ in range(3):
+            r = int(torch.randint(1, 9, (1,), generator=g))
+            prompts.append(p)
+            responses.append(torch.randint(3, 97, (r,), generator=g).tolist())
+    return pad_batch(prompts, responses, pad_id=0)
+
+
+def _run(fn, model, b, lean):
+    model.zero_grad(set_to_none=True)
+    lp, ent = fn(model, b["input_ids"], b["attention_mask"], b["response_mask"],
+                 temperature=0.7, chunk=5, with_entropy=True, lean=lean)
+    (lp * torch.linspace(0.5, 1.5, lp.numel()).view_as(lp)).sum().backward()
+    return lp.detach(), ent, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("fn", [token_logprobs, shared_prefix_logprobs])
+@pytest.mark.parametrize("kind", ["llama", "llama_mha", "qwen2", "qwen3"])
+def test_lean_pass_equals_forward_values_and_gradients(kind, fn):
+    model = _model(kind).train()
+    assert lean_unsupported(model) is None
+    b = _batch()
+    lp0, ent0, g0 = _run(fn, model, b, lean=False)
+    lp1, ent1, g1 = _run(fn, model, b, lean=True)
+    mask = b["response_mask"].bool()
+    assert torch.equal(lp1 != 0, mask)
+    torch.testing.assert_close(lp1, lp0, rtol=0, atol=2e-6)
+    torch.testing.assert_close(ent1, ent0, rtol=0, atol=2e-6)
+    assert g0.keys() == g1.keys()
+    for name in g0:
+        torch.testing.assert_close(g1[name], g0[name], rtol=1e-4, atol=1e-6, msg=name)
+        assert torch.isfinite(g1[name]).all(), name
+
+
+def test_left_padded_queries_stay_finite_and_mask_matches_its_definition():
+    """key_bias: query i (column K − S + i) sees key j ≤ that column where the key is real; a
+    query with no such key (left padding) sees every key rather than none (NaN)."""
+    key_mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 0]])
+    bias = key_bias(key_mask, 3, torch.float32)
+    assert bias.shape == (2, 1, 3, 5)
+    for b in range(2):
+        for i in range(3):
+            for j in range(5):
+                seen = j <= 2 + i and bool(key_mask[b, j])
+                assert (bias[b, 0, i, j] == 0) == seen
+    full = key_bias(torch.tensor([[0, 0, 1]]), 3, torch.float32)
+    assert torch.equal(full[0, 0, :2], torch.zeros(2, 3))  # padding queries: every key
+    assert full[0, 0, 2].tolist() == [float("-inf"), float("-inf"), 0.0]
+
+
+def test_unsupported_names_what_forward_would_do_differently():
+    model = _model("llama")
+    model.gradient_checkpointing_enable()
+    assert "gradient checkpointing" in lean_unsupported(model)
+    cfg = LlamaConfig(**SIZES, attention_dropout=0.1)
+    assert "dropout" in lean_unsupported(AutoModelForCausalLM.from_config(cfg))
+    moe = AutoModelForCausalLM.from_config(tiny_moe_config("qwen3_moe", vocab_size=97))
+    assert "model type" in lean_unsupported(moe)
