@@ -87,8 +87,8 @@ class RolloutConfig:
     top_k: int = _f(0, "top-k sampling (0 = off, keeps log-probs equal to the policy's)")
     engine: str = _f("hf", "rollout engine: 'hf' (own KV-cached sampler) or 'vllm'")
     fast_decode: bool = _f(
-        True, "engine=hf: decode steps of Llama/Qwen2/Qwen3 dense models skip forward()'s "
-        "per-call overhead (same arithmetic; other models always use forward)")
+        True, "engine=hf: prefill and decode steps of Llama/Qwen2/Qwen3 dense models skip "
+        "forward()'s per-call overhead (same arithmetic; other models always use forward)")
     vllm_memory_fraction: float = _f(
         0.3, "engine=vllm: share of the device's memory (CPU backend: of RAM) vLLM reserves "
         "for weights and KV cache; training shares the device")

@@ -10,8 +10,9 @@ Differences from ``model.generate`` that matter for RL:
   (same distribution);
 - the KV cache has room reserved for the new tokens instead of growing by concatenation;
 - with ``fast_decode`` (Llama-family dense models), decode steps run through
-  :class:`gspo.models.decode.DenseDecoder`, the same arithmetic as ``forward`` without its
-  per-call overhead; the prefill always runs through ``forward``.
+  :class:`gspo.models.decode.DenseDecoder`, and the prefill through
+  :func:`gspo.models.lean_forward.lean_hidden`: the same arithmetic as ``forward`` without its
+  per-call overhead.
 
 With ``record_routing=True`` (MoE policies, routing replay R3) the experts every router chose
 for every token fed through the model are recorded and returned in ``Rollout.routing``, laid out
@@ -24,9 +25,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from gspo.models.decode import DenseDecoder, unsupported
+from gspo.models.lean_forward import key_bias, lean_hidden
 from gspo.rollout.batch import Rollout
 
 
@@ -255,8 +257,9 @@ def generate(model: Any, prompts: list[list[int]], *, group_size: int, params: S
     routers chose while sampling, in ``pad_batch`` layout (see :class:`_RoutingLog`); off, no hook
     is registered and nothing is recorded.
 
-    ``fast_decode`` runs the decode steps through :class:`gspo.models.decode.DenseDecoder` when
-    the model is one it covers (and no routing is recorded); else through ``forward``.
+    ``fast_decode`` runs the prefill through :func:`gspo.models.lean_forward.lean_hidden` and
+    the decode steps through :class:`gspo.models.decode.DenseDecoder` when the model is one
+    they cover (and no routing is recorded); else both through ``forward``.
     """
     was_training = model.training
     model.eval()
@@ -277,15 +280,33 @@ def generate(model: Any, prompts: list[list[int]], *, group_size: int, params: S
     return roll
 
 
+def _lean_prefill(model: Any, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor
+                  ) -> tuple[DynamicCache, torch.Tensor]:
+    """The prefill through :func:`gspo.models.lean_forward.lean_hidden`: its keys and values
+    as a dynamic cache, and the last position's logits (what ``forward`` returns with
+    ``logits_to_keep=1``)."""
+    hidden, kv = lean_hidden(model.model, ids, positions,
+                             key_bias(mask, ids.shape[1], model.lm_head.weight.dtype),
+                             keep_kv=True)
+    cache = DynamicCache()
+    for i, (k, v) in enumerate(kv):
+        cache.update(k, v, i)
+    head = model.lm_head
+    return cache, torch.nn.functional.linear(hidden[:, -1], head.weight, head.bias)
+
+
 def _generate(model: Any, prompts: list[list[int]], ids: torch.Tensor, mask: torch.Tensor,
               positions: torch.Tensor, group_size: int, params: SamplingParams, eos: list[int],
               generator: torch.Generator | list[torch.Generator] | None, greedy: bool,
               log: _RoutingLog | None, lean: bool) -> Rollout:
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                logits_to_keep=1)
+    if lean:
+        cache, logits = _lean_prefill(model, ids, mask, positions)
+    else:
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                    logits_to_keep=1)
+        cache, logits = out.cache, out.logits[:, -1]
     if log is not None:
         log.prefill(ids.shape[1])
-    cache, logits = out.cache, out.logits[:, -1]
     if group_size > 1:  # one prefill per prompt, shared by the group
         cache.batch_repeat_interleave(group_size)
         logits = logits.repeat_interleave(group_size, 0)
