@@ -218,16 +218,12 @@ def _ratio_stats(b: _Batch) -> dict[str, Tensor]:
 
 def _clip_stats(high: Tensor, low: Tensor, b: _Batch) -> dict[str, Tensor]:
     """Fractions of valid tokens / valid sequences that are clipped (high, low, either)."""
-    high, low = high & b.mask, low & b.mask
-    either = high | low
-    return {
-        "objective/clip_frac_tokens": _masked_mean(either.float(), b.mask),
-        "objective/clip_frac_tokens_low": _masked_mean(low.float(), b.mask),
-        "objective/clip_frac_tokens_high": _masked_mean(high.float(), b.mask),
-        "objective/clip_frac_seqs": _masked_mean(either.any(-1).float(), b.valid),
-        "objective/clip_frac_seqs_low": _masked_mean(low.any(-1).float(), b.valid),
-        "objective/clip_frac_seqs_high": _masked_mean(high.any(-1).float(), b.valid),
-    }
+    flags = torch.stack([high | low, low, high]) & b.mask  # [3, B, T]: either, low, high
+    tokens = flags.sum((1, 2)) / b.mask.sum().clamp(min=1)
+    seqs = flags.any(-1).sum(-1) / b.valid.sum().clamp(min=1)
+    return {f"objective/clip_frac_{unit}{kind}": frac[i]
+            for unit, frac in (("tokens", tokens), ("seqs", seqs))
+            for i, kind in enumerate(("", "_low", "_high"))}
 
 
 def _finish(

@@ -316,27 +316,32 @@ def _generate(model: Any, prompts: list[list[int]], ids: torch.Tensor, mask: tor
     decoder = DenseDecoder(model, cache, mask, steps) if lean else None
     u = None if greedy else _uniforms(n, group_size, steps, generator)
     next_pos = mask.sum(-1)
-    active = torch.arange(n)
-    # Written in place, one column per step, for the rows still decoding.
+    active = torch.arange(n)  # original index of each row still decoding
+    # Rows of ``tok_rows`` / ``lp_rows`` (and ``u``) follow ``active``: each step writes one
+    # column; a row's samples move to ``tokens`` / ``lps`` when it leaves the decode batch.
     tokens = torch.zeros((n, steps), dtype=torch.long)
     lps = torch.zeros((n, steps), dtype=torch.float32)
+    tok_rows, lp_rows = torch.zeros_like(tokens), torch.zeros_like(lps)
     lengths = torch.full((n,), steps, dtype=torch.long)  # set when a row ends early
     done = torch.zeros(n, dtype=torch.bool)
     eos_t = torch.tensor(eos, dtype=torch.long)
     for step in range(steps):
-        tok, tok_lp = _next_tokens(logits, params, None if u is None else u[active, step])
-        tokens[active, step], lps[active, step] = tok, tok_lp
-        finished = torch.isin(tok, eos_t)
+        tok, tok_lp = _next_tokens(logits, params, None if u is None else u[:, step])
+        tok_rows[:, step], lp_rows[:, step] = tok, tok_lp
+        finished = tok == eos_t[0] if len(eos) == 1 else torch.isin(tok, eos_t)
         last = step == steps - 1
         if last or bool(finished.any()):
             ended = active[finished]
             done[ended], lengths[ended] = True, step + 1
             if last or bool(finished.all()):
                 break
+            tokens[ended], lps[ended] = tok_rows[finished], lp_rows[finished]
             # drop the finished rows from the decode batch and the KV cache
             keep = (~finished).nonzero().squeeze(-1)
             (cache if decoder is None else decoder).batch_select_indices(keep)
             active, tok, mask, next_pos = active[keep], tok[keep], mask[keep], next_pos[keep]
+            tok_rows, lp_rows = tok_rows[keep], lp_rows[keep]
+            u = None if u is None else u[keep]
         if decoder is not None:
             logits = decoder.step(tok, next_pos)
         else:
@@ -347,6 +352,7 @@ def _generate(model: Any, prompts: list[list[int]], ids: torch.Tensor, mask: tor
                 log.decode(step, active)
             logits = out.logits[:, -1]
         next_pos = next_pos + 1
+    tokens[active], lps[active] = tok_rows, lp_rows
     rows = lengths.tolist()
     return Rollout(
         prompt_ids=[list(p) for p in prompts for _ in range(group_size)],
