@@ -269,12 +269,16 @@ def generate(model: Any, prompts: list[list[int]], *, group_size: int, params: S
            if record_routing else None)
     try:
         lean = fast_decode and log is None and unsupported(model) is None
-        roll = _generate(model, prompts, ids, mask, positions, group_size, params, eos,
-                         generator, greedy, log, lean)
+        # The fast path runs in inference mode (no autograd bookkeeping on any tensor: a tiny
+        # model's decode step 0.81 -> 0.67 ms); what it returns is copied out of it below.
+        with torch.inference_mode(lean):
+            roll = _generate(model, prompts, ids, mask, positions, group_size, params, eos,
+                             generator, greedy, log, lean)
     finally:
         if log is not None:
             log.close()
         model.train(was_training)
+    roll.logprobs = [lp.clone() for lp in roll.logprobs]  # own storage, normal tensors
     if log is not None:
         roll.routing = log.layout([len(r) for r in roll.response_ids])
     return roll
@@ -357,7 +361,7 @@ def _generate(model: Any, prompts: list[list[int]], ids: torch.Tensor, mask: tor
     return Rollout(
         prompt_ids=[list(p) for p in prompts for _ in range(group_size)],
         response_ids=[t[:k] for t, k in zip(tokens.tolist(), rows)],
-        logprobs=[lps[i, :k].clone() for i, k in enumerate(rows)],
+        logprobs=[lps[i, :k] for i, k in enumerate(rows)],
         truncated=[not bool(d) for d in done],
         group_size=group_size,
     )

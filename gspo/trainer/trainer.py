@@ -145,8 +145,8 @@ class Trainer(Reliability):
         logprob_fn = (shared_prefix_logprobs if cfg.logprob_packing and not self.moe
                       and not fsdp2 else token_logprobs)
         # Llama-family dense policies: the passes skip forward()'s per-call work (same values)
-        lean = cfg.lean_forward and lean_unsupported(self.model) is None
-        self.logprob_fn = functools.partial(logprob_fn, lean=lean)
+        self.lean = cfg.lean_forward and lean_unsupported(self.model) is None
+        self.logprob_fn = functools.partial(logprob_fn, lean=self.lean)
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad], lr=cfg.optim.lr,
             betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay,
@@ -363,10 +363,15 @@ class Trainer(Reliability):
 
                 rec = stack.enter_context(capture_routing(self.model))
             if cols["input_ids"].numel():
-                lp, ent = self.dist.forward(self.model, self.logprob_fn, cols["input_ids"],
-                                            cols["attention_mask"], cols["response_mask"],
-                                            temperature=self.cfg.rollout.temperature,
-                                            chunk=self.cfg.logprob_chunk, with_entropy=True)
+                # lean passes run in inference mode (less per-op work); their results are
+                # copied out of it below, into tensors autograd may use
+                with torch.inference_mode(self.lean):
+                    lp, ent = self.dist.forward(self.model, self.logprob_fn,
+                                                cols["input_ids"], cols["attention_mask"],
+                                                cols["response_mask"],
+                                                temperature=self.cfg.rollout.temperature,
+                                                chunk=self.cfg.logprob_chunk, with_entropy=True)
+                lp, ent = lp.clone(), ent.clone()
             else:
                 lp = ent = torch.zeros(cols["input_ids"].shape)
         if rows is not None:
