@@ -73,6 +73,13 @@ def unsupported(model: Any) -> str | None:
     return None
 
 
+def rope_adapts(rotary: nn.Module) -> bool:
+    """Whether a rotary module's cos/sin depend on the longest sequence it has seen (rope
+    types ``dynamic`` and ``longrope``: they replace their ``inv_freq`` buffer as it grows)."""
+    kind = getattr(rotary, "rope_type", None)
+    return not isinstance(kind, str) or "dynamic" in kind or kind == "longrope"
+
+
 def _signed(sin: torch.Tensor) -> torch.Tensor:
     """``sin`` with its first half negated, for :func:`_rope`."""
     half = sin.shape[-1] // 2
@@ -203,9 +210,8 @@ class DenseDecoder:
         self.width = width
         # cos/sin of every position the rollout can reach, looked up per step; rope types that
         # adapt to the sequence length seen so far (dynamic, longrope) are computed per step.
-        kind = getattr(self.rotary, "rope_type", None)
         self.rope_table = None
-        if isinstance(kind, str) and "dynamic" not in kind and kind != "longrope":
+        if not rope_adapts(self.rotary):
             top = int(mask.sum(-1).max()) + extra
             cos, sin = self.rotary(self.embed.weight[:1],
                                    torch.arange(top, device=mask.device)[None])

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from gspo.models.decode import _rope, _signed, unsupported
+from gspo.models.decode import _rope, _signed, rope_adapts, unsupported
 
 
 def lean_unsupported(model: Any) -> str | None:
@@ -36,6 +36,15 @@ def lean_unsupported(model: Any) -> str | None:
     if float(getattr(getattr(model, "config", None), "attention_dropout", 0.0) or 0.0) > 0:
         return "attention dropout"
     return unsupported(model)
+
+
+def inference_safe(model: Any) -> bool:
+    """Whether the lean passes of ``model`` (one they support) may run under
+    ``torch.inference_mode``, which does less work per operation than ``no_grad``. Not when
+    its rotary module adapts to the length seen: that would replace its ``inv_freq`` buffer
+    by an inference tensor, which in-place writes outside inference mode (DDP's buffer
+    broadcast) then refuse."""
+    return not rope_adapts(model.model.rotary_emb)
 
 
 def key_bias(key_mask: torch.Tensor, queries: int, dtype: torch.dtype) -> torch.Tensor:

@@ -23,7 +23,7 @@ from gspo.config import ConfigError, TrainConfig, to_dict, validate
 from gspo.data import build_task, format_prompt
 from gspo.data.hf import task_from_records
 from gspo.models import load_model, token_logprobs
-from gspo.models.lean_forward import lean_unsupported
+from gspo.models.lean_forward import inference_safe, lean_unsupported
 from gspo.models.lora import apply_lora, is_peft
 from gspo.models.packing import shared_prefix_logprobs
 from gspo.objectives import ADVANTAGES, OBJECTIVES, group_stats
@@ -147,6 +147,7 @@ class Trainer(Reliability):
         # Llama-family dense policies: the passes skip forward()'s per-call work (same values)
         self.lean = cfg.lean_forward and lean_unsupported(self.model) is None
         self.logprob_fn = functools.partial(logprob_fn, lean=self.lean)
+        self.inference = self.lean and inference_safe(self.model)  # π_old pass, see there
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad], lr=cfg.optim.lr,
             betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay,
@@ -365,7 +366,7 @@ class Trainer(Reliability):
             if cols["input_ids"].numel():
                 # lean passes run in inference mode (less per-op work); their results are
                 # copied out of it below, into tensors autograd may use
-                with torch.inference_mode(self.lean):
+                with torch.inference_mode(self.inference):
                     lp, ent = self.dist.forward(self.model, self.logprob_fn,
                                                 cols["input_ids"], cols["attention_mask"],
                                                 cols["response_mask"],

@@ -95,3 +95,23 @@ def test_unsupported_names_what_forward_would_do_differently():
     assert "dropout" in lean_unsupported(AutoModelForCausalLM.from_config(cfg))
     moe = AutoModelForCausalLM.from_config(tiny_moe_config("qwen3_moe", vocab_size=97))
     assert "model type" in lean_unsupported(moe)
+
+
+def test_fast_generate_returns_normal_tensors_and_leaves_module_state_alone():
+    """The sampler's fast path runs in inference mode: its log-probs come back as normal
+    tensors (autograd and in-place writes accept them), and a rope that adapts to the
+    length seen keeps it off (its buffer would become an inference tensor)."""
+    from gspo.models.lean_forward import inference_safe
+    from gspo.rollout import SamplingParams, generate
+
+    for kind, safe in (("llama", True), ("llama_dynamic", False)):
+        model = _model(kind) if kind == "llama" else AutoModelForCausalLM.from_config(
+            LlamaConfig(**{**SIZES, "max_position_embeddings": 12},
+                        rope_scaling={"rope_type": "dynamic", "factor": 2.0}))
+        assert inference_safe(model) is safe
+        roll = generate(model, [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14]], group_size=2,
+                        params=SamplingParams(6), eos=[1], pad_id=0,
+                        generator=torch.Generator().manual_seed(0))
+        assert not any(lp.is_inference() for lp in roll.logprobs)
+        roll.logprobs[0].add_(0.0)  # an inference tensor would refuse this
+        assert not any(b.is_inference() for b in model.buffers())
