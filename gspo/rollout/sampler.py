@@ -231,6 +231,7 @@ class _RoutingLog:
     def decode(self, step: int, active: torch.Tensor) -> None:
         """Response token ``step`` of the ``active`` rows, fed one per row."""
         chunk = torch.stack(self._rec.take())  # [L, len(active), k]
+        active = active.cpu()  # the log lives on the CPU, as the routing capture does
         self.buf[:, active, self.prompt_lens[active] + step] = chunk
 
     def close(self) -> None:
@@ -263,7 +264,8 @@ def generate(model: Any, prompts: list[list[int]], *, group_size: int, params: S
     """
     was_training = model.training
     model.eval()
-    ids, mask = _left_pad(prompts, pad_id)
+    dev = model.get_input_embeddings().weight.device  # everything below is built there
+    ids, mask = (t.to(dev) for t in _left_pad(prompts, pad_id))
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     log = (_RoutingLog(model, [len(p) for p in prompts], group_size, params.max_new_tokens)
            if record_routing else None)
@@ -318,17 +320,19 @@ def _generate(model: Any, prompts: list[list[int]], ids: torch.Tensor, mask: tor
     n, steps = logits.shape[0], params.max_new_tokens
     _reserve(cache, steps)
     decoder = DenseDecoder(model, cache, mask, steps) if lean else None
-    u = None if greedy else _uniforms(n, group_size, steps, generator)
+    dev = ids.device
+    # drawn on the CPU generators (the same samples on any device), used where the logits are
+    u = None if greedy else _uniforms(n, group_size, steps, generator).to(dev)
     next_pos = mask.sum(-1)
-    active = torch.arange(n)  # original index of each row still decoding
+    active = torch.arange(n, device=dev)  # original index of each row still decoding
     # Rows of ``tok_rows`` / ``lp_rows`` (and ``u``) follow ``active``: each step writes one
     # column; a row's samples move to ``tokens`` / ``lps`` when it leaves the decode batch.
-    tokens = torch.zeros((n, steps), dtype=torch.long)
-    lps = torch.zeros((n, steps), dtype=torch.float32)
+    tokens = torch.zeros((n, steps), dtype=torch.long, device=dev)
+    lps = torch.zeros((n, steps), dtype=torch.float32, device=dev)
     tok_rows, lp_rows = torch.zeros_like(tokens), torch.zeros_like(lps)
-    lengths = torch.full((n,), steps, dtype=torch.long)  # set when a row ends early
-    done = torch.zeros(n, dtype=torch.bool)
-    eos_t = torch.tensor(eos, dtype=torch.long)
+    lengths = torch.full((n,), steps, dtype=torch.long, device=dev)  # set when a row ends early
+    done = torch.zeros(n, dtype=torch.bool, device=dev)
+    eos_t = torch.tensor(eos, dtype=torch.long, device=dev)
     for step in range(steps):
         tok, tok_lp = _next_tokens(logits, params, None if u is None else u[:, step])
         tok_rows[:, step], lp_rows[:, step] = tok, tok_lp
@@ -349,7 +353,7 @@ def _generate(model: Any, prompts: list[list[int]], ids: torch.Tensor, mask: tor
         if decoder is not None:
             logits = decoder.step(tok, next_pos)
         else:
-            mask = torch.cat([mask, torch.ones((mask.shape[0], 1), dtype=mask.dtype)], dim=1)
+            mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
             out = model(input_ids=tok[:, None], attention_mask=mask,
                         position_ids=next_pos[:, None], cache=cache, use_cache=True)
             if log is not None:
@@ -362,7 +366,7 @@ def _generate(model: Any, prompts: list[list[int]], ids: torch.Tensor, mask: tor
         prompt_ids=[list(p) for p in prompts for _ in range(group_size)],
         response_ids=[t[:k] for t, k in zip(tokens.tolist(), rows)],
         logprobs=[lps[i, :k] for i, k in enumerate(rows)],
-        truncated=[not bool(d) for d in done],
+        truncated=[not d for d in done.tolist()],
         group_size=group_size,
     )
 

@@ -374,9 +374,9 @@ class Trainer(Reliability):
                                                 chunk=self.cfg.logprob_chunk, with_entropy=True)
                 lp, ent = lp.clone(), ent.clone()
             else:
-                lp = ent = torch.zeros(cols["input_ids"].shape)
+                lp = ent = torch.zeros(cols["input_ids"].shape, device=cols["input_ids"].device)
         if rows is not None:
-            full = [torch.zeros(batch["response_mask"].shape) for _ in range(2)]
+            full = [torch.zeros(batch["response_mask"].shape, device=lp.device) for _ in range(2)]
             for t, part in zip(full, (lp, ent)):
                 t[rows, :part.shape[1]] = part
             lp, ent = full
