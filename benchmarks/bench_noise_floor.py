@@ -8,7 +8,9 @@ Measured per sequence (response tokens only) between:
 - the trainer's pass over the whole rollout batch and the same rows in a random minibatch cut
   to its own width (what the update sees), and each row alone (no padding at all);
 - the plain pass and the prompt-sharing pass (:mod:`gspo.models.packing`);
-- the sampler's log-probs (KV-cached decoding) and the trainer's.
+- the sampler's log-probs (KV-cached decoding) and the trainer's;
+- the lean pass (:mod:`gspo.models.lean_forward`, the default where the model allows it) and
+  ``forward``.
 
 For the fp32 default and a bf16 variant (bf16 weights and activations, fp32 LM head as in
 TRL's ``cast_lm_head_to_fp32``), with the variant's speed (CPU seconds, one thread).
@@ -48,17 +50,22 @@ def bf16_with_fp32_head(model: Any) -> Any:
 
 def passes(model: Any, roll: Any, pad_id: int, temperature: float,
            seed: int = 0) -> dict[str, Any]:
-    """Per-sequence gaps between trainer passes of different composition, and the sampler."""
+    """Per-sequence gaps between trainer passes of different composition, and the sampler.
+    The passes run as the trainer runs them: through the lean pass where the model allows it
+    (``lean_forward``, the default), and ``lean_vs_forward`` compares it with ``forward``."""
+    from gspo.models.lean_forward import lean_unsupported
     from gspo.models.logprobs import token_logprobs
     from gspo.models.packing import shared_prefix_logprobs
     from gspo.rollout import pad_batch
 
     b = pad_batch(roll.prompt_ids, roll.response_ids, pad_id, roll.logprobs)
     ids, att, mask = b["input_ids"], b["attention_mask"], b["response_mask"]
-    kw = {"temperature": temperature}
+    lean = lean_unsupported(model) is None
+    kw = {"temperature": temperature, "lean": lean}
     model.eval()
     with torch.no_grad():
         full, _ = token_logprobs(model, ids, att, mask, **kw)
+        forward, _ = token_logprobs(model, ids, att, mask, temperature=temperature)
         packed, _ = shared_prefix_logprobs(model, ids, att, mask, **kw)
         alone = torch.zeros_like(full)
         for i in range(ids.shape[0]):
@@ -72,26 +79,29 @@ def passes(model: Any, roll: Any, pad_id: int, temperature: float,
     gaps = {"minibatch_vs_full": seq_gap(minibatch, full[idx, :w], mask[idx, :w]),
             "alone_vs_full": seq_gap(alone, full, mask),
             "packed_vs_plain": seq_gap(packed, full, mask),
-            "sampler_vs_trainer": seq_gap(b["old_logprobs"], full, mask)}
+            "sampler_vs_trainer": seq_gap(b["old_logprobs"], full, mask),
+            "lean_vs_forward": seq_gap(full, forward, mask)}
     return {k: {"max": float(v.max()), "median": float(v.median())} for k, v in gaps.items()}
 
 
 def speed(model: Any, roll: Any, pad_id: int, temperature: float) -> dict[str, float]:
     """CPU seconds: one no-grad pass over the batch, fwd+bwd over half of it; tokens/s sampling."""
+    from gspo.models.lean_forward import lean_unsupported
     from gspo.models.logprobs import token_logprobs
     from gspo.rollout import pad_batch
 
     b = pad_batch(roll.prompt_ids, roll.response_ids, pad_id)
     ids, att, mask = b["input_ids"], b["attention_mask"], b["response_mask"]
+    kw = {"temperature": temperature, "lean": lean_unsupported(model) is None}
     model.eval()
     c = time.process_time()
     with torch.no_grad():
-        token_logprobs(model, ids, att, mask, temperature=temperature)
+        token_logprobs(model, ids, att, mask, **kw)
     fwd = time.process_time() - c
     half = ids.shape[0] // 2
     model.train()
     c = time.process_time()
-    lp, _ = token_logprobs(model, ids[:half], att[:half], mask[:half], temperature=temperature)
+    lp, _ = token_logprobs(model, ids[:half], att[:half], mask[:half], **kw)
     lp.sum().backward()
     fb = time.process_time() - c
     model.zero_grad(set_to_none=True)
@@ -160,8 +170,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results["bf16_vs_fp32_policy"] = {"max": float(d.max()), "median": float(d.median())}
     data = {"config": vars(a), "machine": machine(), "results": results}
     header = ("| variant | minibatch vs full | alone vs full | packed vs plain "
-              "| sampler vs trainer | ≤ 3e-5? | sampler tok/CPU-s | log-prob pass CPU s "
-              "| fwd+bwd (8 rows) CPU s |\n|---|---|---|---|---|---|---|---|---|")
+              "| sampler vs trainer | lean vs forward | ≤ 3e-5? | sampler tok/CPU-s "
+              "| log-prob pass CPU s | fwd+bwd (8 rows) CPU s |\n"
+              "|---|---|---|---|---|---|---|---|---|---|")
     rows = []
 
     def cell(g: dict[str, Any], k: str) -> str:
@@ -171,13 +182,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         g, s = results[name]["gaps"], results[name]["speed"]
         rows.append(f"| {a.model} {name} | {cell(g, 'minibatch_vs_full')} | "
                     f"{cell(g, 'alone_vs_full')} | {cell(g, 'packed_vs_plain')} | "
-                    f"{cell(g, 'sampler_vs_trainer')} | "
+                    f"{cell(g, 'sampler_vs_trainer')} | {cell(g, 'lean_vs_forward')} | "
                     f"{'yes' if results[name]['ratio_meaningful'] else 'NO'} | "
                     f"{fmt(s['sampler_tok_per_cpu_s'], 1)} | {fmt(s['logprob_pass_cpu_s'])} | "
                     f"{fmt(s['fwd_bwd_half_batch_cpu_s'])} |")
     bf = results["bf16_vs_fp32_policy"]
     rows.append(f"| bf16 policy vs the fp32 policy it was cast from | | | | "
-                f"{bf['max']:.1e} ({bf['median']:.0e}) | | | | |")
+                f"{bf['max']:.1e} ({bf['median']:.0e}) | | | | | |")
     name = result_name("noise_floor", a.model, a.tag)
     write_result(name, data, header, rows, a.out)
     print("\n".join([header, *rows]))

@@ -6,8 +6,9 @@
    first one's forward supplying π_old for its rows) on one rollout batch (B prompts × G
    responses), through the plain :func:`token_logprobs` and through
    :func:`gspo.models.packing.shared_prefix_logprobs` (``logprob_packing``, the default),
-   interleaved. FLOPs are counted with
-   ``torch.utils.flop_counter.FlopCounterMode`` (matmuls and attention, forward and backward).
+   interleaved, both on the lean pass as the trainer runs them (``lean_forward``). FLOPs are
+   counted with ``torch.utils.flop_counter.FlopCounterMode`` (matmuls and attention, forward
+   and backward).
 3. Memory: the log-prob step alone (fp32 head V × H, T positions) in a child process per
    variant: gspo's ``token_logprobs`` (chunked head with a hand-written backward), autograd with
    each chunk checkpointed, and a naive ``log_softmax`` over the full [T, V] fp32 logits;
@@ -64,12 +65,17 @@ def matmul_peak(shapes: list[tuple[int, int, int]], threads: int, reps: int = 5,
 
 
 # ----------------------------------------------------------------------------- 2. update
-def logprob_path(packed: bool) -> Any:
-    """The log-prob function of the trainer's passes: ``logprob_packing`` on or off."""
+def logprob_path(model: Any, packed: bool) -> Any:
+    """The log-prob function of the trainer's passes: ``logprob_packing`` on or off, through
+    the lean pass where the model allows it (``lean_forward``, the default)."""
+    import functools
+
+    from gspo.models.lean_forward import lean_unsupported
     from gspo.models.logprobs import token_logprobs
     from gspo.models.packing import shared_prefix_logprobs
 
-    return shared_prefix_logprobs if packed else token_logprobs
+    return functools.partial(shared_prefix_logprobs if packed else token_logprobs,
+                             lean=lean_unsupported(model) is None)
 
 
 def rollout_batch(tok: Any, prompts: int, group: int, response_len: int,
@@ -89,6 +95,7 @@ def update_phase(model: Any, optimizer: Any, batch: dict[str, torch.Tensor], *, 
     """π_old pass + policy_update, as Trainer.train_step runs them (fp32, GSPO, β = 0): the
     π_old pass covers the rows outside the first minibatch, whose own forward gives the rest."""
     from gspo.config import ObjectiveConfig
+    from gspo.models.lean_forward import inference_safe
     from gspo.trainer.update import (
         UpdateBatch,
         minibatch_plan,
@@ -96,7 +103,8 @@ def update_phase(model: Any, optimizer: Any, batch: dict[str, torch.Tensor], *, 
         policy_update,
     )
 
-    logprobs_fn = logprob_path(packed)
+    logprobs_fn = logprob_path(model, packed)
+    inference = logprobs_fn.keywords["lean"] and inference_safe(model)  # as the trainer
     objective = ObjectiveConfig(num_minibatches=minibatches)
     n = batch["input_ids"].shape[0]
     plan = minibatch_plan(n, objective, torch.Generator().manual_seed(seed))
@@ -105,8 +113,9 @@ def update_phase(model: Any, optimizer: Any, batch: dict[str, torch.Tensor], *, 
     width = int(batch["attention_mask"][rest].sum(-1).max())
     cols = [batch[k][rest, :width] for k in ("input_ids", "attention_mask", "response_mask")]
     model.eval()
-    with torch.no_grad():
-        old[rest, :width], entropy[rest, :width] = logprobs_fn(model, *cols, with_entropy=True)
+    with torch.no_grad(), torch.inference_mode(inference):
+        lp, ent = logprobs_fn(model, *cols, with_entropy=True)
+    old[rest, :width], entropy[rest, :width] = lp, ent
     adv = torch.randn(n, generator=torch.Generator().manual_seed(seed))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     policy_update(model, optimizer, scheduler,

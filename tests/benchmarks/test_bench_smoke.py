@@ -68,6 +68,7 @@ def test_noise_floor_benchmark(tmp_path):
     data = bench_noise_floor.main(["--model", "tiny:llama", "--reps", "1", "--group-size", "2",
                                    "--max-new-tokens", "4", "--out", str(tmp_path)])
     assert data["results"]["fp32"]["worst_gap"] < 3e-5
+    assert data["results"]["fp32"]["gaps"]["lean_vs_forward"]["max"] < 3e-6
 
 
 @pytest.mark.slow
