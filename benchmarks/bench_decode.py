@@ -6,7 +6,7 @@ script times, on one thread:
 1. one KV-cached decode step of the model at batch B (context ``--context`` tokens), median,
    through ``forward`` and through gspo's :class:`gspo.models.decode.DenseDecoder` (the
    sampler's default for Llama-family models: the same arithmetic without ``forward``'s
-   per-call overhead);
+   per-call overhead, in inference mode);
 2. each linear layer's ``F.linear`` on B rows and on 256 rows, in model order, so that the
    weights stream from memory as they do in a step (sum of times, GFLOP/s, weight bytes/s);
 3. the output layer alone at B rows.
@@ -61,21 +61,26 @@ def decode_step_s(model: Any, batch: int, context: int, reps: int) -> float:
 
 @torch.no_grad()
 def lean_step_s(model: Any, batch: int, context: int, reps: int) -> float | None:
-    """The same step through :class:`DenseDecoder` (None for models it does not cover)."""
+    """The same step through :class:`DenseDecoder` as the sampler runs it (cache with room
+    reserved, inference mode where safe); None for models it does not cover."""
     from gspo.models.decode import DenseDecoder, unsupported
+    from gspo.models.lean_forward import inference_safe
+    from gspo.rollout.sampler import _reserve
 
     if unsupported(model) is not None:
         return None
-    ids = torch.randint(3, model.config.vocab_size, (batch, context))
-    mask = torch.ones_like(ids)
-    out = model(input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1)
-    decoder = DenseDecoder(model, out["cache"], mask, reps + 1)
-    tok = torch.randint(3, model.config.vocab_size, (batch,))
-    times = []
-    for step in range(reps + 1):
-        t0 = time.process_time()
-        decoder.step(tok, torch.full((batch,), context + step))
-        times.append(time.process_time() - t0)
+    with torch.inference_mode(inference_safe(model)):
+        ids = torch.randint(3, model.config.vocab_size, (batch, context))
+        mask = torch.ones_like(ids)
+        out = model(input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1)
+        _reserve(out["cache"], reps + 1)
+        decoder = DenseDecoder(model, out["cache"], mask, reps + 1)
+        tok = torch.randint(3, model.config.vocab_size, (batch,))
+        times = []
+        for step in range(reps + 1):
+            t0 = time.process_time()
+            decoder.step(tok, torch.full((batch,), context + step))
+            times.append(time.process_time() - t0)
     return median(times[1:])
 
 
