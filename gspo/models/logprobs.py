@@ -152,9 +152,9 @@ def token_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Te
         if lean:
             if position_ids is None:  # forward's default: the column index
                 position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
-            bias = key_bias(attention_mask, input_ids.shape[1], head.weight.dtype)
+            attn_bias = key_bias(attention_mask, input_ids.shape[1], head.weight.dtype)
             hidden = lean_hidden(backbone, input_ids, position_ids.expand_as(input_ids),
-                                 bias)[0]
+                                 attn_bias)[0]
         else:
             hidden = backbone(input_ids=input_ids, attention_mask=attention_mask,
                               position_ids=position_ids, use_cache=False).last_hidden_state
