@@ -372,7 +372,6 @@ class Trainer(Reliability):
                                                 cols["response_mask"],
                                                 temperature=self.cfg.rollout.temperature,
                                                 chunk=self.cfg.logprob_chunk, with_entropy=True)
-                lp, ent = lp.clone(), ent.clone()
             else:
                 lp = ent = torch.zeros(cols["input_ids"].shape, device=cols["input_ids"].device)
         if rows is not None:
@@ -380,6 +379,8 @@ class Trainer(Reliability):
             for t, part in zip(full, (lp, ent)):
                 t[rows, :part.shape[1]] = part
             lp, ent = full
+        elif self.inference:
+            lp, ent = lp.clone(), ent.clone()
         return lp, ent, (rec.take() if rec is not None else None)
 
     def _recompute_old(self) -> bool:

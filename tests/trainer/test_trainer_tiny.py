@@ -121,6 +121,22 @@ def test_lean_forward_gives_the_same_update_as_forward(tmp_path):
     assert moe.logprob_fn.keywords == {"lean": False}
 
 
+def test_old_logprobs_from_inference_mode_come_back_as_normal_tensors(tmp_path):
+    """The lean π_old pass runs in inference mode; what it returns (all rows, or some) must be
+    usable in place and by autograd like any tensor."""
+    from gspo.rollout import pad_batch
+
+    t = Trainer(_cfg(tmp_path, "inf", "steps=1"), reward_fns=[char_codes]).setup()
+    assert t.inference
+    _, roll = t.rollout()
+    batch = pad_batch(roll.prompt_ids, roll.response_ids, t.pad_id, roll.logprobs)
+    for rows in (None, torch.tensor([0, 2])):
+        lp, ent, _ = t.old_logprobs(batch, rows)
+        assert not lp.is_inference() and not ent.is_inference()
+        assert (lp != 0).sum() > 0
+        lp.add_(0.0)  # an inference tensor refuses in-place updates outside inference mode
+
+
 def test_rollout_logprobs_skip_the_old_pass_except_on_check_steps(tmp_path, monkeypatch):
     """objective.old_logprobs=rollout: the π_old pass runs only every rollout_check_every
     steps (for the gap and entropy metrics); the update uses the sampler's log-probs."""
