@@ -13,9 +13,8 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
+from gspo.data.base import DatasetTask, Example, hold_out, is_held_out, to_tuple
 from gspo.data.datasets import load_jsonl
-from gspo.data.hf import hold_out
-from gspo.data.tasks import DatasetTask, Example, _is_held_out, _to_tuple
 
 GSM8K_MINI = Path(__file__).parent / "files" / "gsm8k_mini.jsonl"
 BOXED_INSTRUCTION = " Put the final answer in \\boxed{}."
@@ -88,7 +87,7 @@ class CountdownTask:
                 continue
             target = int(value)
             key = f"countdown{sorted(numbers)}={target}"
-            if _is_held_out(key) == held_out:
+            if is_held_out(key) == held_out:
                 return self.make(numbers, target, expr)
 
     def sample(self, n: int) -> list[Example]:
@@ -98,7 +97,7 @@ class CountdownTask:
         return {"rng": self.rng.getstate()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.rng.setstate(_to_tuple(state["rng"]))
+        self.rng.setstate(to_tuple(state["rng"]))
 
 
 def gsm8k_mini_task(eval_size: int, seed: int) -> DatasetTask:

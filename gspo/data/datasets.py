@@ -4,21 +4,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from gspo.data.tasks import Example
-
-
-class DataError(ValueError):
-    """A dataset problem; the message is one line naming the file and row."""
+from gspo.data.base import DataError, Example
 
 
 def load_jsonl(path: str, prompt_field: str = "prompt",
                answer_field: str = "answer") -> list[Example]:
     """Read ``path``; every other column is kept and passed to reward functions."""
-    from gspo.data.tasks import Example
-
     p = Path(path)
     if not p.is_file():
         raise DataError(f"dataset not found: {p}")

@@ -1,19 +1,18 @@
 """Prompt datasets through Hugging Face ``datasets``: local files, folders, Hub names, objects.
 
-Every source ends up as a list of :class:`~gspo.data.tasks.Example` rows served by
-:class:`~gspo.data.tasks.DatasetTask`, which shuffles with the run's seed and resumes where it
+Every source ends up as a list of :class:`~gspo.data.base.Example` rows served by
+:class:`~gspo.data.base.DatasetTask`, which shuffles with the run's seed and resumes where it
 stopped. Problems are reported as a one-line :class:`DataError` naming the source and column.
 """
 
 from __future__ import annotations
 
-import random
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from gspo.data.datasets import DataError
-from gspo.data.tasks import DatasetTask, Example
+from gspo.config import TaskConfig
+from gspo.data.base import DataError, DatasetTask, Example, hold_out
 
 # File suffix -> the `datasets` builder that reads it.
 BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
@@ -48,15 +47,6 @@ def records_to_examples(records: Iterable[Mapping[str, Any]], *, prompt_field: s
         extra = {k: v for k, v in row.items() if k not in (prompt_field, answer_field)}
         rows.append(Example(prompt, str(row[answer_field]), extra))
     return rows
-
-
-def hold_out(rows: list[Example], eval_size: int, seed: int
-             ) -> tuple[list[Example], list[Example]]:
-    """(train, eval): a seeded ``min(eval_size, len/5)`` rows are held out for evaluation."""
-    order = list(range(len(rows)))
-    random.Random(f"split-{seed}").shuffle(order)
-    n_eval = min(eval_size, len(rows) // 5)
-    return [rows[i] for i in order[n_eval:]], [rows[i] for i in order[:n_eval]]
 
 
 def load_split(path: str, split: str, *, subset: str = "") -> Any:
@@ -101,7 +91,7 @@ def load_split(path: str, split: str, *, subset: str = "") -> Any:
     return splits[split]
 
 
-def dataset_task(cfg: Any, seed: int) -> DatasetTask:
+def dataset_task(cfg: TaskConfig, seed: int) -> DatasetTask:
     """The task for ``task.name=dataset`` (see :class:`gspo.config.TaskConfig`)."""
     def examples(split: str) -> list[Example]:
         rows = records_to_examples(load_split(cfg.path, split, subset=cfg.subset),
@@ -117,7 +107,7 @@ def dataset_task(cfg: Any, seed: int) -> DatasetTask:
     return DatasetTask(train, held, seed)
 
 
-def task_from_records(train: Any, eval_records: Any, cfg: Any, seed: int) -> DatasetTask:
+def task_from_records(train: Any, eval_records: Any, cfg: TaskConfig, seed: int) -> DatasetTask:
     """A task from in-memory rows (``Trainer(train_dataset=...)``): a ``datasets.Dataset`` or a
     list of dicts with the ``task.prompt_field`` / ``task.answer_field`` columns."""
     fields = {"prompt_field": cfg.prompt_field, "answer_field": cfg.answer_field}

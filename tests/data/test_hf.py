@@ -9,10 +9,9 @@ from collections import Counter
 import pytest
 
 from gspo.config import ConfigError, TaskConfig, load_config
-from gspo.data import DataError, Example, build_task, format_prompt
+from gspo.data import DataError, DatasetTask, Example, build_task, format_prompt
 from gspo.data.builtin import GSM8K_MINI, CountdownTask
 from gspo.data.hf import records_to_examples, task_from_records
-from gspo.data.tasks import DatasetTask
 from gspo.models.tiny import byte_tokenizer
 from gspo.rewards.math import countdown_score, evaluate_expression
 

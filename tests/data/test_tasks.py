@@ -9,8 +9,8 @@ from collections import Counter
 import pytest
 
 from gspo.config import TaskConfig
-from gspo.data import ArithmeticTask, DataError, Example, build_task
-from gspo.data.tasks import LEVELS, DatasetTask
+from gspo.data import ArithmeticTask, DataError, DatasetTask, Example, build_task
+from gspo.data.tasks import LEVELS
 
 PROMPT = re.compile(r"^What is (\d+)([+*-])(\d+)\? Answer with a number\.$")
 ALL_OPS = ["+", "-", "*"]

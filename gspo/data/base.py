@@ -1,0 +1,102 @@
+"""What every prompt source shares: the row type, the error type, the held-out split, the
+:class:`Task` contract and :class:`DatasetTask` (rows served in a seeded shuffled order).
+
+Every other module of :mod:`gspo.data` imports from here, never the other way round.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+EVAL_SHARE = 5  # one problem in EVAL_SHARE is held out (by a hash of the problem, not by seed)
+
+
+class DataError(ValueError):
+    """A dataset problem; the message is one line naming the file and row."""
+
+
+@dataclass(frozen=True)
+class Example:
+    """One prompt: the user message, its reference answer, and extra columns that are passed
+    to reward functions as keyword arguments."""
+
+    prompt: str
+    answer: str
+    columns: dict[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Task(Protocol):
+    """What the trainer and evaluation use of a task (every entry of ``TASKS`` builds one).
+
+    ``sample`` draws training prompts; ``eval_examples`` is the fixed held-out set; the state
+    dict goes into checkpoints (JSON: tuples come back as lists) so a resumed run continues
+    the same sequence of draws.
+    """
+
+    eval_examples: list[Example]
+
+    def sample(self, n: int) -> list[Example]: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+def is_held_out(key: str) -> bool:
+    """Whether the problem with canonical form ``key`` belongs to the held-out split.
+
+    A hash, not the seed, decides, so train and eval never share a problem whatever the seed.
+    """
+    digest = hashlib.sha256(key.encode()).digest()
+    return digest[0] % EVAL_SHARE == 0
+
+
+def to_tuple(x: Any) -> Any:
+    """Nested lists -> nested tuples: a ``random.Random`` state after a JSON round trip."""
+    return tuple(to_tuple(v) for v in x) if isinstance(x, list) else x
+
+
+def hold_out(rows: list[Example], eval_size: int, seed: int
+             ) -> tuple[list[Example], list[Example]]:
+    """(train, eval): a seeded ``min(eval_size, len/5)`` rows are held out for evaluation."""
+    order = list(range(len(rows)))
+    random.Random(f"split-{seed}").shuffle(order)
+    n_eval = min(eval_size, len(rows) // 5)
+    return [rows[i] for i in order[n_eval:]], [rows[i] for i in order[:n_eval]]
+
+
+class DatasetTask:
+    """Prompts from a fixed list of rows, drawn in a seeded shuffled order, epoch after epoch."""
+
+    def __init__(self, rows: list[Example], eval_rows: list[Example], seed: int) -> None:
+        if not rows:
+            raise DataError("the training dataset is empty")
+        self.rows, self.eval_examples, self.seed = rows, eval_rows, seed
+        self.position, self.epoch = 0, 0
+        self._order = self._shuffle()
+
+    def _shuffle(self) -> list[int]:
+        order = list(range(len(self.rows)))
+        random.Random(f"{self.seed}-{self.epoch}").shuffle(order)
+        return order
+
+    def sample(self, n: int) -> list[Example]:
+        out = []
+        for _ in range(n):
+            if self.position >= len(self._order):
+                self.epoch, self.position = self.epoch + 1, 0
+                self._order = self._shuffle()
+            out.append(self.rows[self._order[self.position]])
+            self.position += 1
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"position": self.position, "epoch": self.epoch}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.position, self.epoch = int(state["position"]), int(state["epoch"])
+        self._order = self._shuffle()

@@ -1,0 +1,71 @@
+"""``TASKS``: ``task.name`` -> a builder ``fn(cfg: TaskConfig, seed: int) -> Task``.
+
+The built-in names are registered here; register your own with::
+
+    from gspo.data import TASKS
+
+    @TASKS.register("my_task")
+    def my_task(cfg: TaskConfig, seed: int) -> Task: ...
+
+and select it with ``task.name=my_task``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from gspo.config import TaskConfig
+from gspo.data.base import DataError, DatasetTask, Task, hold_out
+from gspo.data.builtin import CountdownTask, gsm8k_mini_task
+from gspo.data.datasets import load_jsonl
+from gspo.data.hf import dataset_task
+from gspo.data.tasks import ArithmeticTask
+from gspo.registry import Registry
+
+TaskBuilder = Callable[[TaskConfig, int], Task]
+
+TASKS: Registry[TaskBuilder] = Registry("task")
+
+
+@TASKS.register("arithmetic")
+def arithmetic_task(cfg: TaskConfig, seed: int) -> ArithmeticTask:
+    return ArithmeticTask(cfg.levels, cfg.level_weights, cfg.operations, cfg.eval_levels,
+                          cfg.eval_size, seed)
+
+
+@TASKS.register("countdown")
+def countdown_task(cfg: TaskConfig, seed: int) -> CountdownTask:
+    return CountdownTask(cfg.countdown_numbers, cfg.eval_size, seed)
+
+
+@TASKS.register("gsm8k_mini")
+def gsm8k_mini(cfg: TaskConfig, seed: int) -> DatasetTask:
+    return gsm8k_mini_task(cfg.eval_size, seed)
+
+
+@TASKS.register("jsonl")
+def jsonl_task(cfg: TaskConfig, seed: int) -> DatasetTask:
+    """``task.path``, with ``task.eval_path`` as the held-out set or else held-out rows."""
+    rows = load_jsonl(cfg.path, cfg.prompt_field, cfg.answer_field)
+    if cfg.eval_path:
+        eval_rows = load_jsonl(cfg.eval_path, cfg.prompt_field, cfg.answer_field)
+    else:
+        rows, eval_rows = hold_out(rows, cfg.eval_size, seed)
+    return DatasetTask(rows, eval_rows, seed)
+
+
+TASKS.register("dataset")(dataset_task)
+
+
+def build_task(cfg: TaskConfig, seed: int) -> Task:
+    """Build the task named by ``cfg.name`` through :data:`TASKS`.
+
+    Raises:
+        DataError: for a name that is not registered (the message lists the registered ones),
+            or whatever the builder raises for bad data.
+    """
+    if cfg.name not in TASKS:
+        *rest, last = TASKS.names()
+        choices = f"{', '.join(rest)} or {last}" if rest else last
+        raise DataError(f"task.name: unknown task '{cfg.name}' (choose {choices})")
+    return TASKS[cfg.name](cfg, seed)
