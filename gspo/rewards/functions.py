@@ -1,4 +1,8 @@
-"""Built-in reward functions and how a config names them."""
+"""Built-in reward functions and how a config names them.
+
+``REWARDS`` maps a name to ``fn(prompts, completions, **columns) -> list[float | None]``;
+``reward.functions`` entries are such names, ``'package.module:function'`` or callables.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +12,11 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from gspo.registry import Registry
+from gspo.rewards.math import boxed_format_reward, countdown_reward, math_verify_reward
+
 RewardFn = Callable[..., list]
-REWARDS: dict[str, RewardFn] = {}
+REWARDS: Registry[RewardFn] = Registry("reward function")
 
 
 class RewardSpecError(ValueError):
@@ -19,12 +26,8 @@ _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
 
 def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
-    def deco(fn: RewardFn) -> RewardFn:
-        if name in REWARDS:
-            raise ValueError(f"reward '{name}' is already registered")
-        REWARDS[name] = fn
-        return fn
-    return deco
+    """Decorator registering a reward function as ``name``; a taken name raises ValueError."""
+    return REWARDS.register(name)
 
 
 def resolve_reward(spec: str | RewardFn) -> RewardFn:
@@ -43,7 +46,7 @@ def resolve_reward(spec: str | RewardFn) -> RewardFn:
             raise RewardSpecError(f"reward '{spec}' is not callable")
         return fn
     if spec not in REWARDS:
-        names = ", ".join(sorted(REWARDS))
+        names = ", ".join(REWARDS.names())
         raise RewardSpecError(f"unknown reward '{spec}'; choose one of: {names} "
                               "or give 'module:function'")
     return REWARDS[spec]
@@ -95,16 +98,12 @@ def math_verify(prompts: list[str], completions: list[str], *, answer: list[Any]
                 **columns: Any) -> list[float | None]:
     """1.0 when math-verify finds the final answer equal to the reference (``\\boxed{3/4}``
     matches ``0.75``); see :func:`gspo.rewards.math.math_verify_reward`."""
-    from gspo.rewards.math import math_verify_reward
-
     return math_verify_reward(prompts, completions, answer=answer, **columns)
 
 
 @register_reward("boxed_format")
 def boxed_format(prompts: list[str], completions: list[str], **columns: Any) -> list[float | None]:
     """1.0 when the response contains a closed, non-empty ``\\boxed{...}``, else 0.0."""
-    from gspo.rewards.math import boxed_format_reward
-
     return boxed_format_reward(prompts, completions, **columns)
 
 
@@ -113,6 +112,4 @@ def countdown(prompts: list[str], completions: list[str], *, numbers: list[Any],
               target: list[Any], **columns: Any) -> list[float | None]:
     """1.0 when the response's expression reaches ``target`` using each of ``numbers`` at most
     once (task.name=countdown); see :func:`gspo.rewards.math.countdown_reward`."""
-    from gspo.rewards.math import countdown_reward
-
     return countdown_reward(prompts, completions, numbers=numbers, target=target, **columns)

@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from gspo.rewards.scoring import RewardScorer
+
 
 def soft_overlong_penalty(length: int, *, max_tokens: int, buffer_tokens: int) -> float:
     """R_length for a response of ``length`` tokens, in [-1, 0] (see the module docstring)."""
@@ -55,10 +57,9 @@ def overlong_reward(*, max_tokens: int, buffer_tokens: int,
     return overlong
 
 
-def add_overlong(scorer: Any, *, max_tokens: int, buffer_tokens: int, tokenizer: Any = None) -> Any:
+def add_overlong(scorer: RewardScorer, *, max_tokens: int, buffer_tokens: int,
+                 tokenizer: Any = None) -> RewardScorer:
     """``scorer`` plus the overlong term (weight 1, logged as ``reward/overlong``)."""
-    from gspo.rewards.scoring import RewardScorer
-
     fn = overlong_reward(max_tokens=max_tokens, buffer_tokens=buffer_tokens, tokenizer=tokenizer)
     return RewardScorer([*scorer.functions, fn], [*scorer.names, "overlong"],
                         [*scorer.weights, 1.0])
