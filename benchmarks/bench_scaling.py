@@ -34,7 +34,6 @@ def child(spec: dict[str, Any]) -> None:
 
     from gspo.config import load_config
     from gspo.trainer import Trainer
-    from gspo.trainer.distributed import shutdown
 
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
@@ -60,7 +59,7 @@ def child(spec: dict[str, Any]) -> None:
             rss = d.all_reduce(rss, "max")
         if d.is_main:
             Path(spec["out"]).write_text(json.dumps({"steps": steps, "peak_rss_mb": float(rss)}))
-        shutdown(trainer)
+        trainer.cleanup()
 
 
 def run_config(spec: dict[str, Any], procs: int) -> dict[str, Any]:

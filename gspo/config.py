@@ -85,7 +85,8 @@ class RolloutConfig:
     temperature: float = _f(0.7, "sampling temperature (log-probs use the same temperature)")
     top_p: float = _f(1.0, "nucleus sampling; < 1 makes rollout log-probs differ from π")
     top_k: int = _f(0, "top-k sampling (0 = off, keeps log-probs equal to the policy's)")
-    engine: str = _f("hf", "rollout engine: 'hf' (own KV-cached sampler) or 'vllm'")
+    engine: Literal["hf", "vllm"] = _f(
+        "hf", "rollout engine (gspo.rollout.ENGINES): 'hf' (own KV-cached sampler) or 'vllm'")
     fast_decode: bool = _f(
         True, "engine=hf: prefill and decode steps of Llama/Qwen2/Qwen3 dense models skip "
         "forward()'s per-call overhead (same arithmetic; other models always use forward)")
@@ -153,7 +154,7 @@ class LoggingConfig:
 
 
 @dataclass
-class ReliabilityConfig:
+class GuardConfig:
     max_consecutive_faults: int = _f(
         3, "act (guard.on_fault) after this many consecutive steps with an update skipped for a "
         "non-finite loss, gradient or log-prob (0: never act, only skip and count)")
@@ -240,7 +241,7 @@ class TrainConfig:
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     dist: DistributedConfig = field(default_factory=DistributedConfig)
-    guard: ReliabilityConfig = field(default_factory=ReliabilityConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
 
 
 # ----------------------------------------------------------------------------- parsing
@@ -347,13 +348,23 @@ def read_yaml(path: str | Path, what: str = "config file") -> Any:
         raise ConfigError(f"{p}: not valid YAML ({_first_line(e)})") from None
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
-    """Build a :class:`TrainConfig` from defaults, an optional YAML file and overrides."""
-    cfg = TrainConfig()
+C = typing.TypeVar("C")
+
+
+def build(cls: type[C], path: str | Path | None = None, overrides: list[str] | None = None) -> C:
+    """Defaults of ``cls``, then an optional YAML file, then dotted ``key=value`` overrides."""
+    cfg = cls()
     if path is not None:
         _merge(cfg, read_yaml(path) or {})
     for item in overrides or []:
         _merge(cfg, parse_override(item))
+    return cfg
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
+    """Build and check a :class:`TrainConfig` from defaults, an optional YAML file and
+    overrides."""
+    cfg = build(TrainConfig, path, overrides)
     validate(cfg)
     return cfg
 
@@ -417,7 +428,7 @@ def validate(cfg: TrainConfig) -> None:
     _validate_guard(cfg.guard)
 
 
-def _validate_guard(g: ReliabilityConfig) -> None:
+def _validate_guard(g: GuardConfig) -> None:
     _check(g.max_consecutive_faults >= 0, "guard.max_consecutive_faults must be >= 0")
     _check(0 < g.lr_factor < 1, "guard.lr_factor must be in (0, 1)")
     _check(g.max_rollbacks >= 0, "guard.max_rollbacks must be >= 0")
@@ -428,12 +439,9 @@ def _validate_guard(g: ReliabilityConfig) -> None:
 
 def load_sft_config(path: str | Path | None = None,
                     overrides: list[str] | None = None) -> SFTConfig:
-    """Build an :class:`SFTConfig` from defaults, an optional YAML file and overrides."""
-    cfg = SFTConfig()
-    if path is not None:
-        _merge(cfg, read_yaml(path) or {})
-    for item in overrides or []:
-        _merge(cfg, parse_override(item))
+    """Build and check an :class:`SFTConfig` from defaults, an optional YAML file and
+    overrides."""
+    cfg = build(SFTConfig, path, overrides)
     _check(cfg.steps >= 0 and cfg.batch_size >= 1 and cfg.lr >= 0,
            "sft: steps must be >= 0, batch_size >= 1, lr >= 0")
     _check(bool(cfg.levels) and all(1 <= lv <= 4 for lv in cfg.levels),

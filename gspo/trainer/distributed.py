@@ -216,36 +216,29 @@ def _check(cfg: Any, d: Dist) -> None:
         raise ConfigError(f"rollout.prompts_per_step ({cfg.rollout.prompts_per_step}) must be "
                           f">= the number of processes ({d.world_size}): each rank samples "
                           "whole groups")
-    if cfg.rollout.engine != "hf":
-        raise ConfigError(f"rollout.engine={cfg.rollout.engine} runs in one process only for "
-                          "now; use rollout.engine=hf under torchrun")
 
 
-def prepare(trainer: Any) -> Dist:
+def prepare(cfg: Any, model: Any, ref_model: Any = None) -> Dist:
     """The setup hook: join the job and wrap the policy for ``cfg.dist.strategy``.
 
     Runs after the policy is final (LoRA, activation checkpointing, reference copy) and
     before the optimizer is built, because FSDP2 replaces the parameters with sharded ones.
     """
-    d = init_from_env(trainer.cfg.dist.strategy)
+    d = init_from_env(cfg.dist.strategy)
     if not d.enabled:
         return d
-    _check(trainer.cfg, d)
-    trainer.model.to(d.device)
-    if getattr(trainer, "ref_model", None) is not None:
-        trainer.ref_model.to(d.device)
-    d.engine = wrap(trainer.model, d)
+    _check(cfg, d)
+    model.to(d.device)
+    if ref_model is not None:
+        ref_model.to(d.device)
+    d.engine = wrap(model, d)
     return d
 
 
-def shutdown(trainer: Any = None, *, barrier: bool = True) -> None:
-    """Leave the process group cleanly. The policy and optimizer are dropped and collected
-    first: FSDP2 can abort at exit ("terminate called ...") when they outlive the group.
+def shutdown(*, barrier: bool = True) -> None:
+    """Leave the process group cleanly (the caller drops its policy and optimizer first: FSDP2
+    can abort at exit, "terminate called ...", when they outlive the group).
     ``barrier=False`` after an error: the other ranks may be waiting in another collective."""
-    if trainer is not None:
-        for name in ("model", "ref_model", "optimizer", "scheduler", "dist"):
-            if hasattr(trainer, name):
-                setattr(trainer, name, None)
     gc.collect()
     if tdist.is_available() and tdist.is_initialized():
         if barrier:

@@ -1,33 +1,19 @@
-"""What keeps a run alive: fault and collapse detection, signals, logs that resume exactly.
+"""What keeps a run healthy: fault and collapse detection, and rolling back.
 
-* :class:`Guard` watches each step's metrics for a streak of numerical faults (updates skipped
-  for non-finite values, see :func:`gspo.trainer.update.policy_update`) and for collapse signals
-  (:class:`gspo.config.ReliabilityConfig`); the trainer acts on what it reports (rollback,
-  lower_lr or stop). Its counters travel in checkpoints, so a resumed run decides identically.
-* :class:`GracefulStop` turns the first SIGINT/SIGTERM into a request the loop honours after
-  the current step; a second one abandons the step at once (``KeyboardInterrupt``).
-* :class:`RewardErrorLog` writes each reward function's first traceback once to
-  ``RUN/reward_errors.log``.
-* :func:`log_sizes` / :func:`truncate_logs`: the append-only logs are cut back on resume to what
-  they held when the checkpoint was written, so no step is logged twice or lost.
-* :func:`extra_rng_state` / :func:`set_extra_rng_state`: Python's, NumPy's and CUDA's RNGs
-  (the trainer saves torch's CPU RNG itself).
+:class:`Guard` watches each step's metrics for a streak of numerical faults (updates skipped
+for non-finite values, see :func:`gspo.trainer.update.policy_update`) and for collapse signals
+(:class:`gspo.config.GuardConfig`); :class:`gspo.trainer.reliability.Reliability` acts on what it
+reports (rollback, lower_lr or stop) with :func:`roll_back`. Its counters travel in
+checkpoints, so a resumed run decides identically.
 """
 
 from __future__ import annotations
 
-import os
-import random
-import re
-import signal
-import threading
 from collections import deque
 from pathlib import Path
 from typing import Any
 
-import torch
-
-APPEND_ONLY_LOGS = ("metrics.jsonl", "samples.jsonl")
+from gspo.trainer.checkpoint import latest_checkpoint, load_checkpoint_state, load_weights
 
 
 class GuardStop(RuntimeError):
@@ -35,7 +21,8 @@ class GuardStop(RuntimeError):
 
 
 class Guard:
-    """Count faulty steps and evaluate the collapse signals of ``cfg`` (a ReliabilityConfig)."""
+    """Count faulty steps and evaluate the collapse signals of ``cfg`` (a
+    :class:`gspo.config.GuardConfig`)."""
 
     def __init__(self, cfg: Any) -> None:
         self.cfg = cfg
@@ -94,8 +81,6 @@ class Guard:
 
     def good_checkpoint(self, root: Path) -> Path | None:
         """The newest checkpoint written while healthy (kept by ``keep_checkpoints`` pruning)."""
-        from gspo.trainer.checkpoint import latest_checkpoint
-
         good = None if self.last_good_step is None else root / f"step_{self.last_good_step:06d}"
         if good is not None and (good / "state.json").is_file():
             return good
@@ -130,8 +115,6 @@ def roll_back(ckpt: Path, model: Any, optimizer: Any, scheduler: Any, *,
     """Load weights and optimizer moments from ``ckpt`` and scale the lr by ``lr_factor``.
     The step, data position, RNG and lr-schedule position stay: the run goes on with fresh
     prompts and samples instead of replaying the ones that led to the fault."""
-    from gspo.trainer.checkpoint import load_checkpoint_state, load_weights
-
     optim_state, _ = load_checkpoint_state(ckpt)
     load_weights(model, ckpt)
     optimizer.load_state_dict(optim_state["optimizer"])
@@ -145,105 +128,3 @@ def roll_back(ckpt: Path, model: Any, optimizer: Any, scheduler: Any, *,
 
 def _finite(v: Any) -> bool:
     return isinstance(v, (int, float)) and v == v and abs(v) != float("inf")
-
-
-class GracefulStop:
-    """Within ``with``: the first SIGINT/SIGTERM sets ``requested`` (the signal's name); a
-    second raises ``KeyboardInterrupt`` wherever the main thread is. Outside the main thread
-    (where Python cannot install handlers) it does nothing."""
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self) -> None:
-        self.requested: str | None = None
-        self._previous: dict[int, Any] = {}
-
-    def __enter__(self) -> GracefulStop:
-        if threading.current_thread() is threading.main_thread():
-            for sig in self.SIGNALS:
-                self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        name = signal.Signals(signum).name
-        if self.requested is None:
-            self.requested = name
-            # os.write, not print: a handler may run in the middle of another print.
-            os.write(2, f"\n{name}: finishing this step, then checkpointing "
-                        f"(send it again to stop at once)\n".encode())
-            return
-        self._restore()  # a third signal gets the default behaviour
-        raise KeyboardInterrupt(f"second {name}")
-
-    def _restore(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous.clear()
-
-    def __exit__(self, *exc: Any) -> None:
-        self._restore()
-
-
-class RewardErrorLog:
-    """Append each reward function's first error to ``RUN/reward_errors.log``, once per run
-    (names already in the file, from before a resume, are not written again)."""
-
-    HEADER = re.compile(r"^== reward function '(.*)' first failed at step \d+", re.M)
-
-    def __init__(self, run_dir: Path) -> None:
-        self.path = run_dir / "reward_errors.log"
-        self.logged = set(self.HEADER.findall(self.path.read_text())) if self.path.is_file() \
-            else set()
-
-    def update(self, step: int, first_errors: dict[str, str]) -> list[str]:
-        """Write the errors not logged yet; returns the names written."""
-        new = [n for n in first_errors if n not in self.logged]
-        if new:
-            with open(self.path, "a") as fh:
-                for name in new:
-                    fh.write(f"== reward function '{name}' first failed at step {step} ==\n"
-                             f"{first_errors[name].rstrip()}\n\n")
-            self.logged.update(new)
-        return new
-
-
-def log_sizes(run_dir: Path) -> dict[str, int]:
-    return {name: (run_dir / name).stat().st_size if (run_dir / name).is_file() else 0
-            for name in APPEND_ONLY_LOGS}
-
-
-def truncate_logs(run_dir: Path, sizes: dict[str, int]) -> None:
-    """Cut each append-only log back to its size at checkpoint time: the lines written after it
-    (including a line cut short by a kill) belong to steps the resumed run redoes."""
-    for name, size in sizes.items():
-        path = run_dir / name
-        if path.is_file() and path.stat().st_size > size:
-            os.truncate(path, size)
-
-
-def extra_rng_state() -> dict[str, Any]:
-    """JSON-able states of Python's and NumPy's global RNGs (reward code may use them)."""
-    version, internal, gauss = random.getstate()
-    state: dict[str, Any] = {"python": [version, list(internal), gauss]}
-    try:
-        import numpy as np
-    except ImportError:
-        return state
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    state["numpy"] = [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)]
-    return state
-
-
-def set_extra_rng_state(state: dict[str, Any]) -> None:
-    if "python" in state:
-        version, internal, gauss = state["python"]
-        random.setstate((version, tuple(internal), gauss))
-    if "numpy" in state:
-        import numpy as np
-
-        kind, keys, pos, has_gauss, cached = state["numpy"]
-        np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
-
-
-def cuda_rng_state() -> list[torch.Tensor] | None:
-    return torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -17,67 +17,75 @@ def to_float(v: Any) -> float:
     return float(v)
 
 
-def mean_stats(stats: list[dict[str, torch.Tensor]]) -> dict[str, float]:
-    """Average each key over minibatches (min/max keys take the min/max); one host sync."""
+# How each stat of a minibatch is a mean, which decides how minibatches and ranks combine it.
+# Every stat declares one (objectives: gspo.objectives.STAT_KINDS; the update, the MoE hooks:
+# their own tables); nothing is guessed from a key's name.
+#   rows    mean over the valid rows           tokens  mean over response tokens
+#   weight  Σ w_i x_i / Σ w_i, the objective's row weights
+#   rank    each rank's own value, averaged over ranks
+#   min / max                                  std     pooled with its ``*_mean`` (same kind)
+KINDS = ("rows", "tokens", "weight", "rank", "min", "max", "std")
+
+
+def stat_kind(key: str, kinds: Mapping[str, str]) -> str:
+    """The declared reduction of ``key``; an undeclared stat is an error, not a guess."""
+    try:
+        return kinds[key]
+    except KeyError:
+        raise KeyError(f"stat {key!r} declares no reduction kind (one of {', '.join(KINDS)})"
+                       ) from None
+
+
+def mean_stats(stats: list[dict[str, torch.Tensor]], kinds: Mapping[str, str]
+               ) -> dict[str, float]:
+    """Combine each key over minibatches: min/max kinds take the min/max, the others the
+    mean; one host sync."""
     if not stats:
         return {}
     out: dict[str, float] = {}
     for key in stats[0]:
         values = torch.stack([s[key].detach().float() for s in stats])
-        if key.endswith("_min"):
+        kind = stat_kind(key, kinds)
+        if kind == "min":
             out[key] = float(values.min())
-        elif key.endswith("_max"):
+        elif kind == "max":
             out[key] = float(values.max())
         else:
             out[key] = float(values.mean())
     return out
 
 
-# How each stat of a minibatch is a mean, which decides how ranks combine it (see reduce_stats).
-_TOKEN_MEANS = ("objective/clip_frac_tokens", "objective/token_ratio_", "objective/approx_kl",
-                "moe/routing_change")  # key prefixes: means over response tokens
-_WEIGHTED = ("objective/loss", "objective/policy_loss", "objective/kl_ref", "train/loss")
-_PER_RANK = ("train/grad_norm", "moe/load_balancing_loss")  # mean of the ranks' values
-
-
-def _kind(key: str) -> str:
-    if key.endswith("_max"):
-        return "max"
-    if key.endswith("_min"):
-        return "min"
-    if key in _WEIGHTED:
-        return "weight"
-    if key in _PER_RANK:
-        return "rank"
-    return "tokens" if key.startswith(_TOKEN_MEANS) else "rows"
-
-
 def reduce_stats(stats: list[dict[str, torch.Tensor]], counts: list[dict[str, float]],
-                 all_reduce: Callable[[torch.Tensor, str], torch.Tensor]
-                 ) -> list[dict[str, torch.Tensor]]:
+                 all_reduce: Callable[[torch.Tensor, str], torch.Tensor],
+                 kinds: Mapping[str, str]) -> list[dict[str, torch.Tensor]]:
     """Global per-minibatch stats from each rank's stats of its own rows (two all-reduces).
 
     ``counts[m]`` holds this rank's ``rows`` (valid rows), ``tokens`` (response tokens) and
     ``weight`` (Σ w_i of the objective's mean) in minibatch m; a rank without rows there has
-    zeros. Means over rows or tokens become count-weighted means, the losses Σ w·loss / Σ w,
-    ``*_min`` / ``*_max`` the min / max over ranks, and ``*_std`` the pooled std (exact when
-    the matching ``*_mean`` is in the stats, else the root of the mean within-rank variance).
+    zeros. ``kinds`` declares each key's reduction (see :data:`KINDS`): means over rows or
+    tokens become count-weighted means, the losses Σ w·loss / Σ w, min / max the min / max
+    over ranks, and std the pooled std (exact when the matching ``*_mean`` is in the stats,
+    else the root of the mean within-rank variance; weighted like that mean).
     """
     if not stats:
         return stats
     keys = sorted(stats[0])
+    kind_of = {k: stat_kind(k, kinds) for k in keys}
+    for k in keys:  # a std is pooled with its mean's counts
+        if kind_of[k] == "std":
+            kind_of[k] = stat_kind(k[:-4] + "_mean", kinds)
+            kind_of[k + "/std"] = "std"
     sums, extremes = [], []
     for s, c in zip(stats, counts):
         n = {"rows": c["rows"], "tokens": c["tokens"], "weight": c["weight"],
              "rank": float(c["rows"] > 0)}
         has_rows = c["rows"] > 0
         for k in keys:
-            v, kind = float(s[k]), _kind(k)
+            v, kind = float(s[k]), kind_of[k]
             if kind in ("max", "min"):
                 extremes.append((v if kind == "max" else -v) if has_rows else -math.inf)
                 continue
-            if k.endswith("_std"):
-                kind = _kind(k[:-4] + "_mean")
+            if k + "/std" in kind_of:
                 mean = float(s.get(k[:-4] + "_mean", torch.tensor(0.0)))
                 v = v * v + mean * mean
             sums += [v * n[kind], n[kind]]
@@ -87,14 +95,14 @@ def reduce_stats(stats: list[dict[str, torch.Tensor]], counts: list[dict[str, fl
     for _ in stats:
         row: dict[str, float] = {}
         for k in keys:
-            kind = _kind(k)
+            kind = kind_of[k]
             if kind in ("max", "min"):
                 row[k] = top.pop(0) * (1 if kind == "max" else -1)
                 continue
             weighted, n = total.pop(0), total.pop(0)
             row[k] = weighted / n if n > 0 else 0.0
         for k in keys:  # E[x²] − E[x]² for the pooled stds, now that the means are global
-            if k.endswith("_std"):
+            if k + "/std" in kind_of:
                 mean = row.get(k[:-4] + "_mean", 0.0)
                 row[k] = math.sqrt(max(row[k] - mean * mean, 0.0))
         out.append({k: torch.tensor(v, dtype=torch.float32) for k, v in row.items()})

@@ -1,35 +1,171 @@
-"""MoE pieces of a policy update: routing replay, routing-change metric, load-balancing loss.
+"""The policy's MoE side of a training step, as one object: :class:`MoEHooks` for a supported
+Mixture-of-Experts policy, :data:`NO_MOE` (a :class:`PolicyHooks`, every method a no-op) for a
+dense one.
 
-Only used when the policy is a Mixture-of-Experts model (see :mod:`gspo.models.moe`).
+What it covers, phase by phase:
+
+* rollout: whether the engine must record the experts it routed to (routing replay R3);
+* π_old pass: recording π_old's expert choices (what R2 replays and what the routing-change
+  metric compares with), and for R3 merging the rollout's choices in
+  (``moe/rollout_routing_mismatch``);
+* update: per minibatch, replay of the recorded experts, capture of π_θ's own choices, the
+  router load-balancing loss, and the ``moe/routing_change`` stats; per step,
+  ``moe/routing_change_after_update``.
+
+An MoE policy also keeps the plain ``(B, T)`` layout (no shared-prompt packing) and always runs
+the π_old pass: recorded routing indexes that layout, and only that pass records it.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from types import MappingProxyType
 from typing import Any
 
 import torch
 
+from gspo.config import ConfigError, MoEConfig
 from gspo.models.moe import (
     capture_routing,
+    is_moe,
     load_balancing_loss,
     moe_adapter,
     replay_routing,
     router_modules,
     routing_change,
+    select_sequences,
 )
+from gspo.rollout import EngineCapabilities
+
+_CHANGE = "moe/routing_change"
+
+
+class PolicyHooks:
+    """The interface, and the hooks of a dense policy: nothing recorded, replayed or added."""
+
+    active = False
+    records_rollout_routing = False
+    stat_kinds: Mapping[str, str] = MappingProxyType({})  # reduction of each stat it adds
+
+    def capture_old(self, model: Any) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext(None)
+
+    def rollout_routing(self, roll: Any, recomputed: list[torch.Tensor] | None, dist: Any
+                        ) -> tuple[list[torch.Tensor] | None, dict[str, float]]:
+        return recomputed, {}
+
+    def update_forward(self, model: Any, routing: list[torch.Tensor] | None, rows: torch.Tensor,
+                       seq_len: int, width: int) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext({})
+
+    def extra_loss(self, model: Any, out: dict[str, Any], attention_mask: torch.Tensor
+                   ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+        return None, {}
+
+    def step_stats(self, out: dict[str, Any], response_mask: torch.Tensor
+                   ) -> dict[str, torch.Tensor]:
+        return {}
+
+    def step_metrics(self, stats: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+        return {}
+
+
+NO_MOE = PolicyHooks()
+
+
+class MoEHooks(PolicyHooks):
+    """Routing replay (R2/R3), the routing-change metric and the load-balancing loss of a
+    supported MoE policy, configured by ``moe.*``."""
+
+    active = True
+
+    def __init__(self, model: Any, cfg: MoEConfig) -> None:
+        moe_adapter(model)  # raises for an MoE family without router hooks
+        self.cfg = cfg
+        self.records_rollout_routing = cfg.routing_replay == "r3"
+        n_layers = len(router_modules(model))
+        # Means over response tokens, except the loss, which is each rank's own (see metrics).
+        self.stat_kinds = {_CHANGE: "tokens", "moe/load_balancing_loss": "rank",
+                           **{f"{_CHANGE}_layer{i}": "tokens" for i in range(n_layers)}}
+
+    def capture_old(self, model: Any) -> contextlib.AbstractContextManager:
+        return capture_routing(model)
+
+    def rollout_routing(self, roll: Any, recomputed: list[torch.Tensor] | None, dist: Any
+                        ) -> tuple[list[torch.Tensor] | None, dict[str, float]]:
+        """R3: the rollout's expert choices where it saw the token, π_old's recompute (R2)
+        elsewhere, and ``moe/rollout_routing_mismatch`` over the global batch (see
+        :func:`merge_rollout_routing`). Other modes: ``recomputed``."""
+        if not self.records_rollout_routing or recomputed is None:
+            return recomputed, {}
+        merged, changed, seen = merge_rollout_routing(roll, recomputed)
+        changed, seen = dist.all_reduce(torch.stack([changed, seen])).tolist()
+        return merged, {"moe/rollout_routing_mismatch": changed / max(seen, 1.0)}
+
+    @contextlib.contextmanager
+    def update_forward(self, model: Any, routing: list[torch.Tensor] | None, rows: torch.Tensor,
+                       seq_len: int, width: int) -> Iterator[dict[str, Any]]:
+        """A training forward over ``rows`` (cut to ``width``) with replay of their recorded
+        experts (``moe.routing_replay`` on); yields a dict filled on exit: ``"routing"`` (the
+        rows' recorded experts), ``"natural"`` (per layer [N, k], the experts the current
+        router would pick: the top-k of its logits, also under replay) and ``"live_logits"``
+        (router logits with gradient, for the load-balancing loss)."""
+        mine = None
+        if routing is not None:
+            mine = [r.view(len(rows), seq_len, -1)[:, :width].reshape(-1, r.shape[-1])
+                    for r in select_sequences(routing, seq_len, rows)]
+        replay = mine if self.cfg.routing_replay != "off" else None
+        want_logits = mine is not None and self.cfg.log_routing_change
+        with moe_forward(model, replay, want_logits, self.cfg.aux_loss_coef > 0) as out:
+            out["routing"] = mine
+            yield out
+
+    def extra_loss(self, model: Any, out: dict[str, Any], attention_mask: torch.Tensor
+                   ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+        """``moe.aux_loss_coef`` × the router load-balancing loss of this forward."""
+        if not out.get("live_logits"):
+            return None, {}
+        lb = aux_loss(model, out["live_logits"], attention_mask)
+        return self.cfg.aux_loss_coef * lb, {"moe/load_balancing_loss": lb.detach()}
+
+    def step_stats(self, out: dict[str, Any], response_mask: torch.Tensor
+                   ) -> dict[str, torch.Tensor]:
+        if out.get("natural") is None:
+            return {}
+        return routing_change_stats(out["routing"], out["natural"], response_mask)
+
+    def step_metrics(self, stats: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+        """``moe/routing_change_after_update``: the routing change over the minibatches that run
+        after at least one optimizer step on their rollout batch (the first one always
+        measures 0)."""
+        if len(stats) < 2 or _CHANGE not in stats[0]:
+            return {}
+        return {f"{_CHANGE}_after_update": float(torch.stack(
+            [s[_CHANGE].detach().float() for s in stats[1:]]).mean())}
+
+
+def policy_hooks(model: Any, cfg: MoEConfig, engine: EngineCapabilities) -> PolicyHooks:
+    """The hooks for ``model``: :class:`MoEHooks` for a supported MoE policy, :data:`NO_MOE`
+    for a dense one; MoE options on a dense model, or R3 with an engine that cannot record
+    routing, are a :class:`ConfigError`."""
+    if not is_moe(model):
+        if cfg.routing_replay != "off" or cfg.aux_loss_coef > 0:
+            raise ConfigError("moe.routing_replay / moe.aux_loss_coef need a Mixture-of-"
+                              "Experts model; the policy is dense")
+        return NO_MOE
+    if cfg.routing_replay == "r3" and engine.routing_unsupported:
+        raise ConfigError("moe.routing_replay=r3 needs rollout-recorded routing, which this "
+                          f"rollout engine cannot return: {engine.routing_unsupported}; use r2 "
+                          "or rollout.engine=hf")
+    return MoEHooks(model, cfg)
 
 
 @contextlib.contextmanager
 def moe_forward(model: Any, replay: list[torch.Tensor] | None, want_logits: bool,
                 aux: bool) -> Iterator[dict[str, Any]]:
-    """Run a training forward with optional replay; collect π_θ's own expert choices.
-
-    Yields a dict filled on exit of the forward: ``"natural"`` (per layer [N, k] indices that
-    the current router would pick: the top-k of its logits, also under replay) and
-    ``"live_logits"`` (router logits with gradient, for the load-balancing loss).
-    """
+    """Run a training forward with optional replay; collect π_θ's own expert choices
+    (``"natural"``) and, with ``aux``, the router logits with gradient (``"live_logits"``)."""
     out: dict[str, Any] = {"live_logits": []}
     hooks = []
     if aux:
@@ -55,9 +191,9 @@ def routing_change_stats(old: list[torch.Tensor], new: list[torch.Tensor],
                          token_mask: torch.Tensor) -> dict[str, torch.Tensor]:
     """``moe/routing_change`` overall and per layer, over the response tokens."""
     res = routing_change(old, new, token_mask.reshape(-1))
-    stats = {"moe/routing_change": res["overall"].detach()}
+    stats = {_CHANGE: res["overall"].detach()}
     for i, v in enumerate(res["per_layer"]):
-        stats[f"moe/routing_change_layer{i}"] = v.detach()
+        stats[f"{_CHANGE}_layer{i}"] = v.detach()
     return stats
 
 
@@ -97,14 +233,3 @@ def merge_rollout_routing(roll: Any, recomputed: list[torch.Tensor]
         changed += diff.any(-1).sum().double().cpu()
         seen += int(sel.sum())
     return merged, changed, torch.tensor(float(seen), dtype=torch.float64)
-
-
-def routing_change_after_update(stats: list[dict[str, torch.Tensor]]) -> dict[str, float]:
-    """``moe/routing_change_after_update``: the routing change over the minibatches that run
-    after at least one optimizer step on their rollout batch (the first one always measures 0)."""
-    from gspo.trainer.metrics import mean_stats
-
-    key = "moe/routing_change"
-    if len(stats) < 2 or key not in stats[0]:
-        return {}
-    return {f"{key}_after_update": mean_stats(stats[1:])[key]}

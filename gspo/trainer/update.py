@@ -1,19 +1,33 @@
-"""One policy update over a rollout batch: minibatches × epochs of AdamW steps."""
+"""One policy update over a rollout batch: minibatches × epochs of AdamW steps.
+
+The update is planned before it runs (:func:`plan_update`): the trainer draws the minibatches
+first, so that the π_old pass knows which rows the first minibatch's own forward will supply
+(see :class:`UpdatePlan`). :func:`policy_update` then runs the plan and returns what it
+computed, π_old of those rows included, without writing into its input.
+"""
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from gspo.models.logprobs import token_logprobs
-from gspo.objectives import OBJECTIVES
+from gspo.objectives import Objective
 from gspo.trainer.distributed import Dist
 from gspo.trainer.metrics import reduce_stats
+from gspo.trainer.moe_hooks import NO_MOE, PolicyHooks
+
+# Reductions of the stats the update adds beside the objective's (see gspo.trainer.metrics).
+UPDATE_STAT_KINDS = {"train/grad_norm": "rank", "train/loss": "weight"}
+
+
+def stat_kinds(objective: Objective, hooks: PolicyHooks) -> dict[str, str]:
+    """The declared reduction of every stat one update step returns."""
+    return {**objective.stat_kinds, **UPDATE_STAT_KINDS, **hooks.stat_kinds}
 
 
 @dataclass
@@ -26,37 +40,175 @@ class UpdateBatch:
     old_logprobs: torch.Tensor  # [N, T] fp32, log π_old
     advantages: torch.Tensor  # [N]
     ref_logprobs: torch.Tensor | None = None  # [N, T] when beta > 0
-    routing: list[torch.Tensor] | None = None  # π_old expert choices per MoE layer [N*T, k]
-    replay: bool = False  # replay ``routing`` in the update (Routing Replay) or only compare
-    # π_old of the first minibatch's rows from that minibatch's own forward (see policy_update);
-    # ``entropy`` [N, T] then receives their policy entropy.
-    old_from_first_minibatch: bool = False
-    entropy: torch.Tensor | None = None
+    routing: list[torch.Tensor] | None = None  # MoE: π_old's experts per layer [N*T, k]
 
     def rows(self, idx: torch.Tensor) -> UpdateBatch:
-        """Rows ``idx``, cut to their longest sequence (no compute spent on shared padding)."""
+        """Rows ``idx``, cut to their longest sequence (no compute spent on shared padding);
+        ``routing`` is left to the policy hooks, which know its layout."""
         width = int(self.attention_mask[idx].sum(-1).max())
         cut = lambda t: None if t is None else t[idx, :width]  # noqa: E731
-        routing = None
-        if self.routing is not None:
-            from gspo.models.moe import select_sequences
-
-            seq_len = self.input_ids.shape[1]
-            routing = [r.view(len(idx), seq_len, -1)[:, :width].reshape(-1, r.shape[-1])
-                       for r in select_sequences(self.routing, seq_len, idx)]
         return UpdateBatch(cut(self.input_ids), cut(self.attention_mask),
                            cut(self.response_mask), cut(self.old_logprobs),
-                           self.advantages[idx], cut(self.ref_logprobs), routing, self.replay)
+                           self.advantages[idx], cut(self.ref_logprobs))
 
 
-def _forward_ctx(model: Any, mb: UpdateBatch, moe: Any) -> contextlib.AbstractContextManager:
-    if moe is None:
-        return contextlib.nullcontext({})
-    from gspo.trainer.moe_hooks import moe_forward
+@dataclass(frozen=True)
+class UpdatePlan:
+    """The minibatches of each epoch (sorted row indices into the global batch).
 
-    return moe_forward(model, mb.routing if mb.replay else None,
-                       want_logits=mb.routing is not None and moe.log_routing_change,
-                       aux=moe.aux_loss_coef > 0)
+    ``old_from_first``: the first minibatch's forward runs at θ = θ_old, so its detached
+    log-probs are π_old for its rows exactly (ratio 1); the π_old pass then skips those rows
+    (:meth:`old_pass_rows`) and :func:`policy_update` supplies them.
+    """
+
+    minibatches: list[list[torch.Tensor]]
+    old_from_first: bool = False
+
+    def old_pass_rows(self, n: int) -> torch.Tensor | None:
+        """The rows the π_old pass computes: all (None), or those outside the first minibatch."""
+        if not self.old_from_first:
+            return None
+        rest = torch.ones(n, dtype=torch.bool)
+        rest[self.minibatches[0][0]] = False
+        return rest.nonzero().squeeze(-1)
+
+
+def plan_update(n: int, *, num_minibatches: int, epochs: int, generator: torch.Generator,
+                old_from_first: bool = False) -> UpdatePlan:
+    """A fresh permutation of the ``n`` rows of the global batch each epoch, split into
+    ``num_minibatches`` parts (each sorted)."""
+    return UpdatePlan([[mb.sort().values for mb in
+                        torch.randperm(n, generator=generator).tensor_split(num_minibatches)]
+                       for _ in range(epochs)], old_from_first)
+
+
+def can_reuse_first_forward(model: Any, dist: Dist, hooks: PolicyHooks) -> bool:
+    """Whether π_old of the first minibatch can come from its own forward: one process, no
+    dropout (that forward must run at θ = θ_old exactly) and no routing to capture in the
+    π_old pass. The caller also needs π_old recomputed rather than taken from the rollout."""
+    return not dist.enabled and not hooks.active and not has_dropout(model)
+
+
+def has_dropout(model: Any) -> bool:
+    """Dropout active in training mode: a ``Dropout`` module with p > 0 or a ``*dropout`` config
+    value > 0 (attention dropout is applied inside the attention function)."""
+    if any(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0
+           for m in model.modules()):
+        return True
+    config = getattr(model, "config", None)  # a bare nn.Module has none
+    values = config.to_dict() if hasattr(config, "to_dict") else {}
+    return any("dropout" in k and isinstance(v, (int, float)) and not isinstance(v, bool)
+               and v > 0 for k, v in values.items())
+
+
+@dataclass
+class UpdateResult:
+    """What :func:`policy_update` returns.
+
+    ``stats``: one dict per minibatch step taken (global values under ``dist``);
+    ``skipped``: updates skipped for a non-finite loss, log-prob or gradient norm;
+    ``old_logprobs``: the batch's π_old with the first minibatch's rows filled in (plans with
+    ``old_from_first``; else the input's); ``first_entropy``: those rows' policy entropy
+    ``[n_first, width]`` (None without ``old_from_first``), ``first_rows`` their indices.
+    """
+
+    stats: list[dict[str, torch.Tensor]]
+    skipped: int
+    old_logprobs: torch.Tensor
+    first_rows: torch.Tensor | None = None
+    first_entropy: torch.Tensor | None = None
+
+
+def policy_update(model: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
+                  batch: UpdateBatch, plan: UpdatePlan, *, objective: Objective,
+                  temperature: float, chunk: int, grad_clip: float,
+                  hooks: PolicyHooks = NO_MOE, dist: Dist | None = None,
+                  logprob_fn: Callable[..., Any] = token_logprobs) -> UpdateResult:
+    """Run ``plan``: one AdamW step per minibatch.
+
+    ``hooks``: the policy's MoE hooks (routing replay, routing-change metric, load-balancing
+    loss), or the do-nothing :data:`NO_MOE` for a dense model.
+    ``dist`` (several processes): ``batch`` holds this rank's rows of the global rollout batch
+    (rank order); every rank runs the same plan over the global batch, computes its rows of
+    each minibatch, and the stats come back as global values (see :func:`_local_rows`).
+    ``logprob_fn``: :func:`token_logprobs` or a drop-in with its signature and outputs (e.g.
+    :func:`gspo.models.packing.shared_prefix_logprobs`).
+    """
+    d = dist if dist is not None else Dist()
+    if plan.old_from_first and d.enabled:
+        raise ValueError("a plan with old_from_first needs one process")
+    n_local = batch.input_ids.shape[0]
+    w_global, offset = d.gather(objective.row_weights(batch.response_mask))
+    old = batch.old_logprobs.clone() if plan.old_from_first else batch.old_logprobs
+    batch = replace(batch, old_logprobs=old)
+    result = UpdateResult([], 0, old)
+    counts: list[dict[str, float]] = []
+    model.train()
+    for epoch, minibatches in enumerate(plan.minibatches):
+        for k, mb_idx in enumerate(minibatches):
+            local, share, empty = _local_rows(mb_idx, offset, n_local, w_global, d)
+            fill_old = plan.old_from_first and epoch == 0 and k == 0
+            stats = _step(model, optimizer, scheduler, batch, local, share, empty, fill_old,
+                          result, objective=objective, temperature=temperature, chunk=chunk,
+                          grad_clip=grad_clip, hooks=hooks, d=d, logprob_fn=logprob_fn)
+            if stats is None:
+                result.skipped += 1
+                continue
+            result.stats.append(stats)
+            weight = 0.0 if empty else float(w_global[local + offset].sum())
+            counts.append(_counts(batch.response_mask[local], weight))
+    optimizer.zero_grad(set_to_none=True)
+    if d.enabled:
+        result.stats = reduce_stats(result.stats, counts, d.all_reduce,
+                                    stat_kinds(objective, hooks))
+    return result
+
+
+def _step(model: Any, optimizer: Any, scheduler: Any, batch: UpdateBatch, local: torch.Tensor,
+          share: float, empty: bool, fill_old: bool, result: UpdateResult, *,
+          objective: Objective, temperature: float, chunk: int, grad_clip: float,
+          hooks: PolicyHooks, d: Dist, logprob_fn: Callable[..., Any]
+          ) -> dict[str, torch.Tensor] | None:
+    """One minibatch: forward, loss, backward, AdamW step; its stats, or None if skipped."""
+    mb = batch.rows(local)
+    width = mb.input_ids.shape[1]
+    with hooks.update_forward(model, batch.routing, local, batch.input_ids.shape[1],
+                              width) as moe_out:
+        logprobs, entropy = d.forward(model, logprob_fn, mb.input_ids, mb.attention_mask,
+                                      mb.response_mask, temperature=temperature, chunk=chunk,
+                                      with_entropy=fill_old)
+        if fill_old:  # θ = θ_old here: this forward is π_old for these rows
+            mb.old_logprobs = logprobs.detach()
+            batch.old_logprobs[local, :width] = mb.old_logprobs
+            batch.old_logprobs[local, width:] = 0.0
+            result.first_rows, result.first_entropy = local, entropy
+        loss, stats = objective.loss(logprobs, mb.old_logprobs, mb.advantages, mb.response_mask,
+                                     ref_logprobs=mb.ref_logprobs)
+        grad_loss = loss * share if d.enabled else loss
+        extra, extra_stats = hooks.extra_loss(model, moe_out, mb.attention_mask)
+        if extra is not None:  # e.g. the router load-balancing loss, each rank's own
+            loss, grad_loss = loss + extra, grad_loss + (0.0 if empty else 1.0) * extra
+            stats = {**stats, **extra_stats}
+        optimizer.zero_grad(set_to_none=True)
+        if not _everywhere(_all_finite(loss, logprobs, mb.old_logprobs, mb.response_mask), d):
+            return None
+        grad_loss.backward()  # inside the hooks' block: checkpointing recomputes replay too
+    gnorm = _grad_norm(model, grad_clip)
+    if not torch.isfinite(gnorm):
+        optimizer.zero_grad(set_to_none=True)
+        return None
+    optimizer.step()
+    scheduler.step()
+    return {**stats, **hooks.step_stats(moe_out, mb.response_mask),
+            "train/grad_norm": gnorm.detach(), "train/loss": loss.detach()}
+
+
+def _counts(response_mask: torch.Tensor, weight: float) -> dict[str, float]:
+    """What this rank's stats of a minibatch average over (zeros for a stand-in row)."""
+    on = response_mask > 0
+    real = weight > 0
+    return {"rows": float(on.any(-1).sum()) if real else 0.0,
+            "tokens": float(on.sum()) if real else 0.0, "weight": weight}
 
 
 def _all_finite(loss: torch.Tensor, logprobs: torch.Tensor, old_logprobs: torch.Tensor,
@@ -67,16 +219,6 @@ def _all_finite(loss: torch.Tensor, logprobs: torch.Tensor, old_logprobs: torch.
     ok = (torch.isfinite(loss) & torch.isfinite(logprobs[on]).all()
           & torch.isfinite(old_logprobs[on]).all())
     return bool(ok)
-
-
-def row_weights(mask: torch.Tensor, objective: Any) -> torch.Tensor:
-    """w_i [N]: the weights of the objective's mean over rows, Σ_i w_i term_i / Σ_i w_i, as
-    the losses compute it: |y_i| for GSPO's ``token`` aggregation, else 1 for every row with
-    at least one response token."""
-    lengths = (mask > 0).sum(-1).float()
-    if objective.name == "gspo" and objective.aggregation == "token":
-        return lengths
-    return (lengths > 0).float()
 
 
 def _local_rows(mb_idx: torch.Tensor, offset: int, n_local: int, w_global: torch.Tensor,
@@ -102,163 +244,6 @@ def _grad_norm(model: Any, grad_clip: float) -> torch.Tensor:
     gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(),
                                            grad_clip if grad_clip > 0 else math.inf)
     return gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm  # FSDP2: a DTensor
-
-
-def _token_ratio_mean(logprobs: torch.Tensor, old: torch.Tensor,
-                      mask: torch.Tensor) -> torch.Tensor:
-    """Mean token ratio w_it over response tokens (detached); with ``token_ratio_std`` it lets
-    the std be pooled exactly across ranks."""
-    on = mask > 0
-    log_w = torch.where(on, logprobs.detach() - old, 0.0).clamp(-20.0, 20.0)
-    return torch.where(on, log_w.exp(), 0.0).sum() / on.sum().clamp(min=1)
-
-
-def minibatch_plan(n: int, objective: Any, generator: torch.Generator
-                   ) -> list[list[torch.Tensor]]:
-    """Rows of each minibatch (sorted), per epoch: a fresh permutation of the ``n`` rows of the
-    global batch each epoch, split into ``objective.num_minibatches`` parts."""
-    return [[mb.sort().values for mb in
-             torch.randperm(n, generator=generator).tensor_split(objective.num_minibatches)]
-            for _ in range(objective.epochs)]
-
-
-def outside_first_minibatch(plan: list[list[torch.Tensor]], n: int) -> torch.Tensor:
-    """Indices of the ``n`` rows that the plan's first minibatch does not hold (the rows the
-    π_old pass still computes when that minibatch's forward supplies its own π_old)."""
-    rest = torch.ones(n, dtype=torch.bool)
-    rest[plan[0][0]] = False
-    return rest.nonzero().squeeze(-1)
-
-
-def reuse_first_forward(model: Any, objective: Any, dist: Dist, moe: bool) -> bool:
-    """Whether π_old of the first minibatch can come from its own forward (one process, a dense
-    policy, π_old recomputed, no dropout: then that forward runs at θ = θ_old and gives π_old
-    exactly, so the separate π_old pass can skip those rows)."""
-    return (objective.old_logprobs == "recompute" and not moe and not dist.enabled
-            and not has_dropout(model))
-
-
-def has_dropout(model: Any) -> bool:
-    """Dropout active in training mode: a ``Dropout`` module with p > 0 or a ``*dropout`` config
-    value > 0 (attention dropout is applied inside the attention function)."""
-    if any(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0
-           for m in model.modules()):
-        return True
-    config = getattr(model, "config", None)
-    values = config.to_dict() if hasattr(config, "to_dict") else {}
-    return any("dropout" in k and isinstance(v, (int, float)) and not isinstance(v, bool)
-               and v > 0 for k, v in values.items())
-
-
-def policy_update(model: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
-                  batch: UpdateBatch, *, objective: Any, temperature: float, chunk: int,
-                  grad_clip: float, generator: torch.Generator, moe: Any = None,
-                  dist: Dist | None = None, logprob_fn: Callable[..., Any] = token_logprobs,
-                  plan: list[list[torch.Tensor]] | None = None
-                  ) -> tuple[list[dict[str, torch.Tensor]], int]:
-    """Run ``objective.epochs`` passes of ``objective.num_minibatches`` AdamW steps.
-
-    ``moe`` (a :class:`gspo.config.MoEConfig`, only for MoE policies) switches on routing
-    replay, the routing-change metric and the load-balancing loss.
-    ``dist`` (several processes): ``batch`` holds this rank's rows of the global rollout batch
-    (rank order); every rank draws the same permutation of the global batch, computes its rows
-    of each minibatch, and the stats come back as global values (see :func:`_local_rows`).
-    The MoE load-balancing loss is each rank's own, averaged over ranks.
-    ``logprob_fn``: :func:`token_logprobs` or a drop-in with its signature and outputs (e.g.
-    :func:`gspo.models.packing.shared_prefix_logprobs`).
-    ``plan``: the minibatches, as :func:`minibatch_plan` draws them from ``generator`` (the
-    default). With ``batch.old_from_first_minibatch`` (one process only), the first
-    minibatch's rows of ``batch.old_logprobs`` are not read but written: the first forward runs
-    at θ = θ_old, so its detached log-probs are π_old (ratio exactly 1), and its entropy goes to
-    ``batch.entropy``.
-    Returns the per-minibatch stats and the number of updates skipped for a non-finite loss,
-    log-prob (π_θ or π_old, on response tokens) or gradient norm (decided jointly by all ranks).
-    """
-    d = dist if dist is not None else Dist()
-    loss_fn = OBJECTIVES[objective.name]
-    options = {"aggregation": objective.aggregation} if objective.name == "gspo" else {}
-    n_local = batch.input_ids.shape[0]
-    w_global, offset = d.gather(row_weights(batch.response_mask, objective))
-    all_stats: list[dict[str, torch.Tensor]] = []
-    counts: list[dict[str, float]] = []
-    skipped = 0
-    if plan is None:
-        plan = minibatch_plan(w_global.shape[0], objective, generator)
-    if batch.old_from_first_minibatch and (d.enabled or batch.entropy is None):
-        raise ValueError("old_from_first_minibatch needs one process and batch.entropy")
-    model.train()
-    for epoch, minibatches in enumerate(plan):
-        for k, mb_idx in enumerate(minibatches):
-            local, share, empty = _local_rows(mb_idx, offset, n_local, w_global, d)
-            mb = batch.rows(local)
-            fill_old = batch.old_from_first_minibatch and epoch == 0 and k == 0
-            with _forward_ctx(model, mb, moe) as moe_out:
-                logprobs, entropy = d.forward(model, logprob_fn, mb.input_ids, mb.attention_mask,
-                                              mb.response_mask, temperature=temperature,
-                                              chunk=chunk, with_entropy=fill_old)
-                if fill_old:  # θ = θ_old here: this forward is π_old for these rows
-                    width = mb.input_ids.shape[1]
-                    mb.old_logprobs = logprobs.detach()
-                    batch.old_logprobs[local, :width] = mb.old_logprobs
-                    batch.old_logprobs[local, width:] = 0.0
-                    batch.entropy[local] = 0.0
-                    batch.entropy[local, :width] = entropy
-                loss, stats = loss_fn(logprobs, mb.old_logprobs, mb.advantages, mb.response_mask,
-                                      eps_low=objective.eps_low, eps_high=objective.eps_high,
-                                      beta=objective.beta, ref_logprobs=mb.ref_logprobs,
-                                      **options)
-                stats = {**stats, "objective/token_ratio_mean": _token_ratio_mean(
-                    logprobs, mb.old_logprobs, mb.response_mask)}
-                grad_loss = loss * share if d.enabled else loss
-                if moe_out.get("live_logits"):
-                    loss, grad_loss, stats = _add_aux_loss(model, moe_out, mb, moe, loss,
-                                                           grad_loss, stats, 0.0 if empty else 1.0)
-                optimizer.zero_grad(set_to_none=True)
-                finite = _all_finite(loss, logprobs, mb.old_logprobs, mb.response_mask)
-                if not _everywhere(finite, d):
-                    skipped += 1
-                    continue
-                grad_loss.backward()  # inside the replay block: checkpoint recomputes replay too
-            gnorm = _grad_norm(model, grad_clip)
-            if not torch.isfinite(gnorm):
-                optimizer.zero_grad(set_to_none=True)
-                skipped += 1
-                continue
-            optimizer.step()
-            scheduler.step()
-            stats = dict(stats)
-            if moe_out.get("natural") is not None:
-                from gspo.trainer.moe_hooks import routing_change_stats
-
-                stats.update(routing_change_stats(mb.routing, moe_out["natural"],
-                                                  mb.response_mask))
-            stats["train/grad_norm"] = gnorm.detach()
-            stats["train/loss"] = loss.detach()
-            all_stats.append(stats)
-            counts.append(_counts(mb, 0.0 if empty else float(w_global[local + offset].sum())))
-    optimizer.zero_grad(set_to_none=True)
-    if d.enabled:
-        all_stats = reduce_stats(all_stats, counts, d.all_reduce)
-    return all_stats, skipped
-
-
-def _add_aux_loss(model: Any, moe_out: dict[str, Any], mb: UpdateBatch, moe: Any,
-                  loss: torch.Tensor, grad_loss: torch.Tensor, stats: dict[str, torch.Tensor],
-                  keep: float) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """Add the router load-balancing loss (``keep`` = 0 on a rank's stand-in row)."""
-    from gspo.trainer.moe_hooks import aux_loss
-
-    lb = aux_loss(model, moe_out["live_logits"], mb.attention_mask)
-    stats = {**stats, "moe/load_balancing_loss": lb.detach()}
-    return (loss + moe.aux_loss_coef * lb, grad_loss + keep * moe.aux_loss_coef * lb, stats)
-
-
-def _counts(mb: UpdateBatch, weight: float) -> dict[str, float]:
-    """What this rank's stats of a minibatch average over (zeros for a stand-in row)."""
-    on = mb.response_mask > 0
-    real = weight > 0
-    return {"rows": float(on.any(-1).sum()) if real else 0.0,
-            "tokens": float(on.sum()) if real else 0.0, "weight": weight}
 
 
 def _everywhere(ok: bool, d: Dist) -> bool:

@@ -90,7 +90,7 @@ def test_synced_weights_change_the_engines_outputs(setup):
         for p in model.parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=g))
     assert _gap(model, before) > 1e-2  # the old samples' log-probs are stale now
-    engine.load_weights(model)
+    engine.sync_weights(model)
     after = engine.generate(_prompts(tok), group_size=2, params=PARAMS, seeds=seeds)
     assert after.response_ids != before.response_ids
     gap = _gap(model, after)

@@ -1,0 +1,100 @@
+"""Stat reductions (gspo.trainer.metrics): declared kinds, minibatch means, cross-rank pooling.
+
+Cross-rank pooling is checked in one process: each "rank" runs ``reduce_stats`` against a fake
+``all_reduce`` that returns the elementwise sum / max of what every rank passed at that call.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from gspo.trainer.metrics import mean_stats, reduce_stats
+
+KINDS = {"objective/clip_frac_tokens": "tokens", "objective/seq_ratio_mean": "rows",
+         "objective/seq_ratio_std": "std", "objective/seq_ratio_max": "max",
+         "objective/seq_ratio_min": "min", "train/grad_norm": "rank", "train/loss": "weight"}
+
+
+def _t(d: dict[str, float]) -> dict[str, torch.Tensor]:
+    return {k: torch.tensor(v) for k, v in d.items()}
+
+
+def _pooled(per_rank: list[tuple[list[dict], list[dict]]], kinds=KINDS) -> list[list[dict]]:
+    """Run reduce_stats on every rank as if the ranks met at each all_reduce."""
+    sent: list[list[torch.Tensor]] = [[] for _ in per_rank]
+    for r, (stats, counts) in enumerate(per_rank):  # pass 1: record what each rank sends
+        def record(t, op="sum", r=r):
+            sent[r].append(t.clone())
+            return t
+        reduce_stats(stats, counts, record, kinds)
+    out = []
+    for stats, counts in per_rank:  # pass 2: every call returns the reduction over ranks
+        calls = iter(range(len(sent[0])))
+
+        def combine(t, op="sum"):
+            i = next(calls)
+            parts = torch.stack([s[i] for s in sent])
+            return parts.sum(0) if op == "sum" else parts.max(0).values
+        out.append(reduce_stats(stats, counts, combine, kinds))
+    return out
+
+
+RANK0 = (_t({"objective/clip_frac_tokens": 0.5, "objective/seq_ratio_mean": 1.0,
+             "objective/seq_ratio_std": 0.1, "objective/seq_ratio_max": 1.2,
+             "objective/seq_ratio_min": 0.9, "train/grad_norm": 2.0, "train/loss": 0.3}),
+         {"rows": 2.0, "tokens": 10.0, "weight": 2.0})
+RANK1 = (_t({"objective/clip_frac_tokens": 0.25, "objective/seq_ratio_mean": 2.0,
+             "objective/seq_ratio_std": 0.2, "objective/seq_ratio_max": 1.5,
+             "objective/seq_ratio_min": 0.7, "train/grad_norm": 4.0, "train/loss": 0.6}),
+         {"rows": 1.0, "tokens": 30.0, "weight": 1.0})
+# The hand-computed global values of that one minibatch.
+EXPECTED = {
+    "objective/clip_frac_tokens": (0.5 * 10 + 0.25 * 30) / 40,  # token-weighted
+    "objective/seq_ratio_mean": (1.0 * 2 + 2.0 * 1) / 3,  # row-weighted
+    # pooled: E[x²] over the rows of both ranks minus the global mean squared
+    "objective/seq_ratio_std": math.sqrt(((0.01 + 1.0) * 2 + (0.04 + 4.0) * 1) / 3 - (4 / 3) ** 2),
+    "objective/seq_ratio_max": 1.5,
+    "objective/seq_ratio_min": 0.7,
+    "train/grad_norm": 3.0,  # each rank's own value, averaged over ranks
+    "train/loss": (0.3 * 2 + 0.6 * 1) / 3,  # Σ w·loss / Σ w
+}
+
+
+def test_cross_rank_pooling_matches_hand_values():
+    per_rank = [([RANK0[0]], [RANK0[1]]), ([RANK1[0]], [RANK1[1]])]
+    for rank_out in _pooled(per_rank):
+        (row,) = rank_out
+        assert set(row) == set(EXPECTED)
+        for k, v in EXPECTED.items():
+            assert float(row[k]) == pytest.approx(v, rel=1e-6), k
+
+
+def test_a_rank_without_rows_does_not_count():
+    """A rank that ran a stand-in row (zero counts) must not move any global value, its
+    extremes included."""
+    empty = (_t({k: 100.0 for k in KINDS}), {"rows": 0.0, "tokens": 0.0, "weight": 0.0})
+    alone = _pooled([([RANK0[0]], [RANK0[1]])])[0][0]
+    with_empty = _pooled([([RANK0[0]], [RANK0[1]]), ([empty[0]], [empty[1]])])
+    for rank_out in with_empty:
+        for k in KINDS:
+            assert float(rank_out[0][k]) == pytest.approx(float(alone[k]), rel=1e-6), k
+
+
+def test_every_stat_needs_a_declared_kind():
+    stats = [{**RANK0[0], "objective/new_stat": torch.tensor(1.0)}]
+    with pytest.raises(KeyError, match="objective/new_stat"):
+        reduce_stats(stats, [RANK0[1]], lambda t, op="sum": t, KINDS)
+    with pytest.raises(KeyError, match="objective/new_stat"):
+        mean_stats(stats, KINDS)
+
+
+def test_mean_stats_reads_kinds_not_names():
+    """Over minibatches: min/max kinds take the extreme, everything else the mean, whatever
+    the key's name says."""
+    stats = [_t({"a_max": 1.0, "b": 1.0, "c": 5.0}), _t({"a_max": 3.0, "b": 4.0, "c": 2.0})]
+    out = mean_stats(stats, {"a_max": "rows", "b": "max", "c": "min"})
+    assert out == {"a_max": 2.0, "b": 4.0, "c": 2.0}
+    assert mean_stats([], {}) == {}
