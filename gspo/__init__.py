@@ -21,7 +21,7 @@ def __getattr__(name: str) -> Any:
 
         return Trainer
     if name == "export_merged":
-        from gspo.models.lora import export_merged
+        from gspo.cli.export import export_merged
 
         return export_merged
     raise AttributeError(f"module 'gspo' has no attribute {name!r}")

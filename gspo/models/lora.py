@@ -1,15 +1,14 @@
-"""LoRA through PEFT: wrap the policy, get reference log-probs with the adapter off, export.
+"""LoRA through PEFT: wrap the policy, get reference log-probs with the adapter off.
 
 With ``lora.r > 0`` the trainer trains only the adapter. The reference policy π_ref for the
 KL term is the frozen base model, so it costs no second copy of the weights: it is the same
 model run with the adapter disabled (:func:`reference_logprobs`). Checkpoints hold the adapter
-only (``adapter_model.safetensors`` + ``adapter_config.json``); :func:`export_merged` folds it
-into the base weights and writes a folder ``from_pretrained`` can load.
+only (``adapter_model.safetensors`` + ``adapter_config.json``); ``gspo export``
+(:func:`gspo.cli.export.export_merged`) folds it into the base weights.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -74,44 +73,3 @@ def reference_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torc
     finally:
         model.train(was_training)
     return lp
-
-
-def _base_of(ckpt: Path, cfg_model: str) -> str:
-    """The base model an adapter was trained on: the folder PEFT recorded, else the config's."""
-    recorded = json.loads((ckpt / "adapter_config.json").read_text()).get(
-        "base_model_name_or_path")
-    if recorded and (Path(recorded) / "config.json").is_file():
-        return str(recorded)
-    return cfg_model
-
-
-def export_merged(run_dir: str | Path, out: str | Path, *, base_model: str = "") -> Path:
-    """Merge the latest checkpoint's LoRA adapter into its base model and save it to ``out``.
-
-    ``base_model`` (a config ``model`` value) overrides the base recorded in the adapter or
-    the run's ``config.yaml``; needed when the run was given an in-memory model. A checkpoint
-    without an adapter (full fine-tuning) is copied as it is. Returns ``out``.
-    """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from gspo.config import load_config
-    from gspo.models.loading import load_model
-    from gspo.trainer.checkpoint import latest_checkpoint
-
-    run, out = Path(run_dir), Path(out)
-    ckpt = latest_checkpoint(run / "checkpoints")
-    if ckpt is None:
-        raise FileNotFoundError(f"export: no complete checkpoint in {run}")
-    cfg = load_config(run / "config.yaml")
-    dtype = getattr(torch, cfg.dtype)
-    if (ckpt / "adapter_config.json").is_file():
-        from peft import PeftModel
-
-        base, _ = load_model(base_model or _base_of(ckpt, cfg.model), dtype=dtype, seed=cfg.seed)
-        model = PeftModel.from_pretrained(base, str(ckpt)).merge_and_unload()
-    else:
-        model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    AutoTokenizer.from_pretrained(ckpt).save_pretrained(out)
-    return out

@@ -183,3 +183,19 @@ def rollout_metrics(roll: Any, batch: dict[str, torch.Tensor], entropy: torch.Te
     if not skipped:
         out.update({"train/entropy": ent / max(n_tok, 1.0), "rollout/logprob_gap_abs_max": gap_max})
     return out
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """Rows of ``run_dir/metrics.jsonl``; a torn last line (a crashed run) is skipped."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"no metrics.jsonl in {run_dir}")
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), (int, float)):
+            rows.append(row)
+    return rows

@@ -8,9 +8,10 @@ import json
 import pytest
 import torch
 
+from gspo.cli.export import export_merged
 from gspo.config import LoRAConfig, load_config
 from gspo.models.logprobs import token_logprobs
-from gspo.models.lora import apply_lora, export_merged, reference_logprobs, unwrap
+from gspo.models.lora import apply_lora, reference_logprobs, unwrap
 from gspo.models.tiny import build_tiny
 from gspo.trainer import Trainer
 

@@ -2,13 +2,13 @@
 
 import pytest
 
-import gspo.sft as sft
+import gspo.trainer.sft as sft
 from gspo.config import ConfigError, SFTConfig, load_sft_config
 from gspo.data import ArithmeticTask
 from gspo.models import load_model
 from gspo.models.loading import resolve_model
 from gspo.models.tiny import byte_tokenizer
-from gspo.sft import cold_start, config_hash, read_info, response_text, sft_batch, sft_dir
+from gspo.trainer.sft import cold_start, config_hash, read_info, response_text, sft_batch, sft_dir
 
 # A few seconds: the small test MoE on one-digit sums (held-out problems never seen in training).
 QUICK = ["base=tiny:qwen3_moe", "levels=[1]", "steps=80", "batch_size=16", "lr=5e-3",

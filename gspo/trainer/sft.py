@@ -5,7 +5,8 @@ perfect one always does. :func:`cold_start` fine-tunes ``SFTConfig.base`` with t
 on prompt -> ``"a+b=c"`` answers (loss on the response tokens only, AdamW), measures greedy
 held-out accuracy before and after, and caches the model under
 ``cache_dir()/sft/<hash of the config>``. A run config naming ``model: sft:<tiny name>``
-(e.g. ``sft:tiny_moe``) builds it on first use and reuses it afterwards.
+(e.g. ``sft:tiny_moe``) builds it on first use and reuses it afterwards: importing this module
+registers the ``sft`` source in :data:`gspo.models.loading.MODEL_SOURCES`.
 """
 
 from __future__ import annotations
@@ -26,9 +27,12 @@ import torch
 
 from gspo.config import SFTConfig, to_dict
 from gspo.data import ArithmeticTask, DataError, Example, format_prompt
-from gspo.models.loading import cache_dir, load_model
+from gspo.models.loading import MODEL_SOURCES, cache_dir, load_model
 from gspo.models.logprobs import token_logprobs
+from gspo.rewards import RewardScorer
 from gspo.rollout import pad_batch
+from gspo.rollout.sampler import eos_ids
+from gspo.trainer.evaluate import evaluate
 
 SFT_FORMAT = 1
 """Version of the recipe below; part of the cache key, so a changed recipe rebuilds the cache."""
@@ -74,10 +78,6 @@ def sft_loss(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 def held_out_accuracy(model: Any, tokenizer: Any, task: ArithmeticTask, cfg: SFTConfig) -> float:
     """Greedy accuracy (numeric_match) on the task's held-out problems."""
-    from gspo.rewards import RewardScorer
-    from gspo.rollout.sampler import eos_ids
-    from gspo.trainer.evaluate import evaluate
-
     if not task.eval_examples:
         return math.nan
     longest = max(len(tokenizer(response_text(ex))["input_ids"]) for ex in task.eval_examples)
@@ -112,8 +112,6 @@ def train_sft(cfg: SFTConfig, log: Callable[[str], None] = print
 
 
 def _train(cfg: SFTConfig, log: Callable[[str], None]) -> tuple[Any, Any, dict[str, Any]]:
-    from gspo.rollout.sampler import eos_ids
-
     start = time.perf_counter()
     model, tokenizer = load_model(cfg.base, seed=cfg.seed)
     task = ArithmeticTask(cfg.levels, [], cfg.operations, [], cfg.eval_size, cfg.seed)
@@ -186,6 +184,7 @@ def read_info(folder: Path) -> dict[str, Any]:
     return json.loads((Path(folder) / "sft.json").read_text())
 
 
+@MODEL_SOURCES.register("sft")
 def resolve_sft(name: str) -> Path:
     """``model: sft:<name>``: the default cold start (:class:`SFTConfig`) of ``tiny:<name>``."""
     return cold_start(SFTConfig(base=f"tiny:{name}"))

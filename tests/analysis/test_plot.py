@@ -6,8 +6,9 @@ import json
 
 import pytest
 
+from gspo.analysis.plot import plot_runs
 from gspo.cli import main
-from gspo.cli.plot import plot_runs, read_metrics
+from gspo.trainer.metrics import read_metrics
 
 pytest.importorskip("matplotlib")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

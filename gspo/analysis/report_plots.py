@@ -12,7 +12,8 @@ from typing import Any
 
 import yaml
 
-from gspo.cli.plot import read_metrics, series
+from gspo.analysis.plot import series
+from gspo.trainer.metrics import read_metrics
 
 # (file stem, title, [(metric key, subplot title, y label, y scale)])
 FIGURES: list[tuple[str, str, list[tuple[str, str, str, str]]]] = [

@@ -6,8 +6,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from gspo.analysis.compare import expert_change, run_compare
+from gspo.analysis.spec import is_compare_file, load_spec
 from gspo.cli import main
-from gspo.compare import expert_change, is_compare_file, load_spec
 from gspo.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -127,7 +128,5 @@ def test_quick_comparison_of_one_arm_and_seed(tmp_path):
     assert sorted(p.name for p in runs.iterdir()) == ["grpo_r2_s0", "probe_s0"]
     # the same run folder with another config is not silently reused
     with pytest.raises(ConfigError, match="another config"):
-        from gspo.compare import run_compare
-
         spec = load_spec(SPEC, quick=True, arms=["grpo_r2"], seeds=[0])
         run_compare(spec, runs, out, ["optim.lr=0.5"], log=lambda s: None)

@@ -29,7 +29,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from gspo.cli.plot import read_metrics
+from gspo.analysis.report_plots import plot_compare
+from gspo.trainer.metrics import read_metrics
 
 # (summary key, column title)
 COLUMNS: list[tuple[str, str]] = [
@@ -161,8 +162,6 @@ def _probe_text(probe: dict[str, Any]) -> str:
 def write_report(summary: dict[str, Any], runs: dict[str, dict[int, Path]],
                  out_dir: Path) -> list[Path]:
     """``results.md``, ``summary.json`` and the PNGs; returns the PNG paths."""
-    from gspo.compare_plots import plot_compare
-
     out_dir.mkdir(parents=True, exist_ok=True)
     pngs = plot_compare(summary, runs, out_dir)
     images = "\n".join(f"![{p.stem}]({p.name})" for p in pngs)
@@ -171,7 +170,7 @@ def write_report(summary: dict[str, Any], runs: dict[str, dict[int, Path]],
         f"Seeds: {summary['seeds']}. This invocation took {summary['total_wall_s'] / 60:.1f} min "
         f"(finished runs are reused, not rerun) on {summary['machine']['cpus']} CPUs, load "
         f"average at the end {summary['machine']['load_average']}.",
-        "Mean ± standard deviation over seeds (definitions: gspo/compare_report.py).",
+        "Mean ± standard deviation over seeds (definitions: gspo/analysis/report.py).",
         markdown_table(summary), _start_text(summary), "## Routing drift after one update",
         _probe_text(summary["probe"]),
         "## Per seed", _per_seed_table(summary), "## Plots", images,

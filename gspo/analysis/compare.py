@@ -1,0 +1,159 @@
+"""``gspo compare``: run named arms on the same seeds, prompts and compute budget; report them.
+
+The arms come from a comparison file (:mod:`gspo.analysis.spec`). Each (arm, seed) is one
+:class:`gspo.trainer.Trainer` run in ``RUNS/<arm>_s<seed>``. A finished run whose config is
+unchanged is reused, so an interrupted comparison resumes and a new arm only costs its own runs.
+For MoE policies a probe per seed also measures how many expert choices change after exactly
+one optimizer step from the initial policy (:func:`first_update_probe`). The table and plots
+are written by :mod:`gspo.analysis.report`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from gspo.analysis.report import summarize, write_report
+from gspo.analysis.spec import CompareSpec
+from gspo.config import ConfigError, TrainConfig, to_dict
+from gspo.models.moe import routing_change
+from gspo.objectives import ADVANTAGES
+from gspo.rollout import pad_batch
+from gspo.trainer import Trainer
+from gspo.trainer.update import UpdateBatch, policy_update
+
+DONE = "compare.json"  # written into a run folder once its run finished
+
+
+def _differs(saved: Any, current: Any) -> bool:
+    """Whether two config dicts differ on a key both have (keys added to or removed from
+    TrainConfig since the run was saved do not count)."""
+    if isinstance(saved, dict) and isinstance(current, dict):
+        return any(_differs(saved[k], current[k]) for k in saved.keys() & current.keys())
+    return saved != current
+
+
+def _reusable(run_dir: Path, cfg: TrainConfig) -> bool:
+    """True for a finished run of ``cfg``; a finished run of another config is an error, an
+    unfinished one (no DONE file: interrupted) is deleted so it can start again."""
+    if (run_dir / DONE).is_file():
+        saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+        if _differs(saved, to_dict(cfg)):
+            raise ConfigError(f"{run_dir} holds a finished run of another config; delete it "
+                              "or pass --runs DIR")
+        return True
+    if (run_dir / "config.yaml").is_file():
+        shutil.rmtree(run_dir)
+    return False
+
+
+def run_one(cfg: TrainConfig, info: dict[str, Any], log: Callable[[str], None]) -> Path:
+    """Train one run (or reuse it); write its wall time and final evaluation to ``DONE``."""
+    run_dir = Path(cfg.output_dir) / cfg.run_name
+    if _reusable(run_dir, cfg):
+        log(f"{cfg.run_name}: finished earlier, reusing {run_dir}")
+        return run_dir
+    start = time.perf_counter()
+    trainer = Trainer(cfg).setup()
+    result = trainer.train()
+    if result.get("interrupted"):
+        raise KeyboardInterrupt
+    wall = time.perf_counter() - start
+    done = {**info, "wall_s": wall, "before": result.get("before"), "after": result.get("after")}
+    (run_dir / DONE).write_text(json.dumps(done, indent=2))
+    after = result.get("after") or {}
+    acc = f", held-out accuracy after {after['accuracy']:.1%}" if "accuracy" in after else ""
+    log(f"{cfg.run_name}: {wall:.0f} s{acc}")
+    return run_dir
+
+
+def expert_change(old: list[torch.Tensor], new: list[torch.Tensor],
+                  mask: torch.Tensor) -> torch.Tensor:
+    """Per MoE layer ``[L]``: share of the k experts chosen under π_old that the new routing no
+    longer chooses, averaged over masked tokens (the paper's "experts that differ")."""
+    w = mask.reshape(-1).float()
+    out = []
+    for a, b in zip(old, new, strict=True):
+        kept = (a[:, :, None] == b[:, None, :]).any(-1).float().mean(-1)  # [N]
+        out.append(((1 - kept) * w).sum() / w.sum().clamp(min=1))
+    return torch.stack(out)
+
+
+def first_update_probe(cfg: TrainConfig) -> dict[str, Any]:
+    """Routing drift after exactly one optimizer step from the initial policy.
+
+    One rollout batch; π_old's expert choices are recorded on all of it; one AdamW step is
+    taken on one minibatch (``1/num_minibatches`` of the rows, no replay, no KL); the routing
+    of the whole batch is recorded again. At that first step every ratio is 1, so GSPO,
+    GSPO-token and GRPO take the same step: one probe per seed serves every arm.
+    """
+    trainer = Trainer(cfg).setup()
+    if not trainer.moe:
+        return {}
+    o = cfg.objective
+    examples, roll = trainer.rollout()
+    rewards, _ = trainer.score(examples, roll)
+    adv = ADVANTAGES[o.advantage](rewards, roll.group_size, scale=o.scale_rewards)
+    batch = pad_batch(roll.prompt_ids, roll.response_ids, trainer.pad_id, roll.logprobs)
+    old, _, routing = trainer.old_logprobs(batch)
+    mask = batch["response_mask"]
+    full = UpdateBatch(batch["input_ids"], batch["attention_mask"], mask, old, adv, None,
+                       routing)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    rows = torch.randperm(len(roll), generator=gen)[: len(roll) // o.num_minibatches]
+    one = dataclasses.replace(o, num_minibatches=1, epochs=1, beta=0.0)
+    policy_update(trainer.model, trainer.optimizer, trainer.scheduler,
+                  full.rows(rows.sort().values), objective=one,
+                  temperature=cfg.rollout.temperature, chunk=cfg.logprob_chunk,
+                  grad_clip=cfg.optim.grad_clip, generator=gen)
+    _, _, after = trainer.old_logprobs(batch)
+    tokens = routing_change(routing, after, mask.reshape(-1))
+    experts = expert_change(routing, after, mask)
+    return {"token_change": float(tokens["overall"]),
+            "token_change_per_layer": [float(v) for v in tokens["per_layer"]],
+            "expert_change": float(experts.mean()),
+            "expert_change_per_layer": [float(v) for v in experts],
+            "n_tokens": float(mask.sum()), "top_k": int(routing[0].shape[-1])}
+
+
+def run_probe(spec: CompareSpec, seed: int, runs_dir: Path, extra: list[str],
+              log: Callable[[str], None]) -> dict[str, Any]:
+    cfg = spec.config(spec.arms[0], seed, runs_dir, extra)
+    cfg = dataclasses.replace(cfg, run_name=f"probe_s{seed}", steps=0, eval_before=False)
+    run_dir = Path(cfg.output_dir) / cfg.run_name
+    if _reusable(run_dir, cfg):
+        return json.loads((run_dir / DONE).read_text())
+    res = first_update_probe(cfg)
+    (run_dir / DONE).write_text(json.dumps(res, indent=2))
+    if res:
+        log(f"probe seed {seed}: after one update {res['token_change']:.1%} of (token, layer) "
+            f"changed expert set, {res['expert_change']:.1%} of chosen experts changed")
+    return res
+
+
+def run_compare(spec: CompareSpec, runs_dir: str | Path, out_dir: str | Path,
+                extra: list[str] | None = None, log: Callable[[str], None] = print,
+                command: str = "") -> dict[str, Any]:
+    """Run every (arm, seed), then write ``results.md``, ``summary.json`` and PNGs to out_dir."""
+    runs_dir, out_dir, extra = Path(runs_dir), Path(out_dir), list(extra or [])
+    start = time.perf_counter()
+    probes = {seed: run_probe(spec, seed, runs_dir, extra, log) for seed in spec.seeds}
+    runs: dict[str, dict[int, Path]] = {}
+    for seed in spec.seeds:  # seed-major: a partial comparison still covers every arm
+        for arm in spec.arms:
+            cfg = spec.config(arm, seed, runs_dir, extra)
+            info = {"arm": arm.name, "label": arm.label, "seed": seed}
+            runs.setdefault(arm.name, {})[seed] = run_one(cfg, info, log)
+    summary = summarize(spec, runs, probes)
+    summary["total_wall_s"] = time.perf_counter() - start
+    summary["command"] = command
+    write_report(summary, runs, out_dir)
+    return summary

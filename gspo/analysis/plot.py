@@ -1,0 +1,146 @@
+"""PNG figures comparing runs' ``metrics.jsonl`` (what ``gspo plot`` draws).
+
+One figure per panel group (reward, evaluation, clipping, sequence ratio, response length,
+divergence, entropy, MoE routing); one line per run, named by its folder. Groups no run logged
+are skipped.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from gspo.trainer.metrics import read_metrics
+
+# (file stem, figure title, [(metric key, subplot title, y label)]). A key may hold "{}"
+# filled with each run's extra keys (per-function rewards).
+PANELS: list[tuple[str, str, list[tuple[str, str, str]]]] = [
+    ("reward", "Reward", [
+        ("reward/mean", "Mean reward per response", "reward"),
+        ("reward/std_within_group", "Reward spread within a prompt's group", "std"),
+        ("reward/frac_groups_zero_std", "Groups where every response got the same reward",
+         "fraction of groups"),
+        ("reward/{}", "Reward function: {}", "mean value"),
+    ]),
+    ("eval", "Held-out evaluation (greedy)", [
+        ("eval/accuracy", "Accuracy on held-out prompts", "accuracy"),
+        ("eval/reward_mean", "Mean reward on held-out prompts", "reward"),
+    ]),
+    ("clipping", "Clipping", [
+        ("objective/clip_frac_seqs", "Responses clipped (sequence level)", "fraction"),
+        ("objective/clip_frac_tokens", "Tokens clipped", "fraction"),
+        ("objective/clip_frac_seqs_low", "Responses clipped below 1 - eps_low", "fraction"),
+        ("objective/clip_frac_seqs_high", "Responses clipped above 1 + eps_high", "fraction"),
+    ]),
+    ("seq_ratio", r"Sequence importance ratio $s_i(\theta)$", [
+        ("objective/seq_ratio_mean", "Ratio range: mean line, band from min to max", "ratio"),
+        ("objective/seq_ratio_std", "Ratio spread across responses", "std"),
+    ]),
+    ("length", "Response length", [
+        ("rollout/response_len_mean", "Mean response length", "tokens"),
+        ("rollout/response_len_max", "Longest response", "tokens"),
+        ("rollout/truncated_frac", "Responses cut at max_new_tokens", "fraction"),
+    ]),
+    ("divergence", "Divergence", [
+        ("objective/approx_kl", "Approximate KL to the rollout policy", "KL"),
+        ("objective/kl_ref", "KL to the reference policy", "KL"),
+    ]),
+    ("entropy", "Policy entropy", [
+        ("train/entropy", "Mean entropy of the policy on response tokens", "nats"),
+    ]),
+    ("routing", "MoE routing", [
+        ("moe/routing_change", "Expert choices that changed since the rollout policy",
+         "fraction"),
+        ("moe/load_balancing_loss", "Router load-balancing loss", "loss"),
+    ]),
+]
+# reward/* keys that are statistics of the total reward, not a reward function.
+_REWARD_STATS = {"mean", "std", "std_within_group", "frac_groups_zero_std", "unscorable_frac"}
+
+
+def series(rows: list[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
+    """(steps, values) of the rows that logged ``key`` (null values become NaN gaps)."""
+    xs, ys = [], []
+    for row in rows:
+        if key in row:
+            v = row[key]
+            xs.append(float(row["step"]))
+            ys.append(float(v) if isinstance(v, (int, float)) else math.nan)
+    return xs, ys
+
+
+def _run_labels(run_dirs: list[Path]) -> list[str]:
+    names = [p.resolve().name for p in run_dirs]
+    if len(set(names)) < len(names):  # same folder name under different parents
+        names = [f"{p.resolve().parent.name}/{p.resolve().name}" for p in run_dirs]
+    return names
+
+
+def _expand(specs: list[tuple[str, str, str]], runs: dict[str, list[dict[str, Any]]]
+            ) -> list[tuple[str, str, str]]:
+    """Fill "{}" keys with the per-function reward names the runs logged; drop unlogged keys."""
+    logged = {k for rows in runs.values() for row in rows for k in row}
+    out = []
+    for key, title, ylabel in specs:
+        if "{}" in key:
+            prefix = key.split("{}")[0]
+            extra = sorted(k[len(prefix):] for k in logged if k.startswith(prefix)
+                           and k[len(prefix):] not in _REWARD_STATS and "/" not in k[len(prefix):])
+            out += [(key.format(n), title.format(n), ylabel) for n in extra]
+        elif key in logged:
+            out.append((key, title, ylabel))
+    return out
+
+
+def _draw(ax: Any, key: str, runs: dict[str, list[dict[str, Any]]], colors: dict[str, Any]
+          ) -> None:
+    for label, rows in runs.items():
+        xs, ys = series(rows, key)
+        if not xs:
+            continue
+        style = "o-" if key.startswith("eval/") or len(xs) == 1 else "-"
+        ax.plot(xs, ys, style, color=colors[label], label=label, linewidth=1.5, markersize=4)
+        if key == "objective/seq_ratio_mean":
+            _, lo = series(rows, "objective/seq_ratio_min")
+            _, hi = series(rows, "objective/seq_ratio_max")
+            if len(lo) == len(hi) == len(xs):
+                ax.fill_between(xs, lo, hi, color=colors[label], alpha=0.2, linewidth=0)
+
+
+def plot_runs(run_dirs: list[str | Path], out: str | Path) -> list[Path]:
+    """Write one PNG per panel group with data into ``out``; return their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    dirs = [Path(d) for d in run_dirs]
+    runs = dict(zip(_run_labels(dirs), (read_metrics(d) for d in dirs)))
+    palette = matplotlib.colormaps["tab10"].colors
+    colors = {label: palette[i % len(palette)] for i, label in enumerate(runs)}
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for stem, fig_title, specs in PANELS:
+        panels = _expand(specs, runs)
+        if not panels:
+            continue
+        ncols = min(2, len(panels))
+        nrows = math.ceil(len(panels) / ncols)
+        fig = Figure(figsize=(6.5 * ncols, 4.0 * nrows), layout="constrained")
+        fig.suptitle(fig_title, fontsize=14)
+        for i, (key, title, ylabel) in enumerate(panels):
+            ax = fig.add_subplot(nrows, ncols, i + 1)
+            _draw(ax, key, runs, colors)
+            ax.set_title(title, fontsize=11)
+            ax.set_xlabel("RL step")
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.set_ylabel(ylabel)
+            ax.grid(alpha=0.3)
+            ax.legend(title="run", fontsize=8)
+        path = out / f"{stem}.png"
+        fig.savefig(path, dpi=110)
+        written.append(path)
+    return written

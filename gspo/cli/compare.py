@@ -1,0 +1,45 @@
+"""``gspo compare [FILE.yaml] [key=value ...] [--quick] [--arms A,B] [--seeds 0,1]``: argument
+parsing; the comparison itself is :func:`gspo.analysis.compare.run_compare`."""
+
+from __future__ import annotations
+
+import argparse
+
+from gspo.analysis.compare import run_compare
+from gspo.analysis.spec import load_spec
+from gspo.config import ConfigError
+
+
+def cmd_compare(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="gspo compare", description="run the arms of a comparison file on the same seeds "
+        "and write a results table (results.md) and PNG plots")
+    p.add_argument("spec", nargs="?", default="configs/moe/compare.yaml",
+                   help="comparison file (default: configs/moe/compare.yaml)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="applied to every arm")
+    p.add_argument("--quick", action="store_true", help="the file's quick setting (seconds)")
+    p.add_argument("--arms", default="", help="comma-separated subset of arms")
+    p.add_argument("--seeds", default="", help="comma-separated seeds (replaces the file's)")
+    p.add_argument("--runs", default="", help="run folders (default: runs/moe_compare[_quick])")
+    p.add_argument("--out", default="", help="table and plots (default: results/moe_compare"
+                   "[_quick])")
+    ns = p.parse_intermixed_args(argv)
+    if "=" in ns.spec:  # only overrides were given
+        ns.overrides, ns.spec = [ns.spec, *ns.overrides], p.get_default("spec")
+    for item in ns.overrides:
+        if "=" not in item:
+            raise ConfigError(f"expected key=value after the comparison file, got '{item}'")
+    try:
+        seeds = [int(s) for s in ns.seeds.split(",")] if ns.seeds else None
+    except ValueError:
+        raise ConfigError(f"--seeds: expected comma-separated integers, got '{ns.seeds}'") from None
+    arms = [a for a in ns.arms.split(",") if a] or None
+    spec = load_spec(ns.spec, quick=ns.quick, arms=arms, seeds=seeds)
+    suffix = "_quick" if ns.quick else ""
+    out = ns.out or f"results/moe_compare{suffix}"
+    command = " ".join(["gspo compare", *argv])
+    summary = run_compare(spec, ns.runs or f"runs/moe_compare{suffix}", out, ns.overrides,
+                          command=command)
+    print(f"results: {out}/results.md ({len(spec.arms)} arms x {len(spec.seeds)} seeds, "
+          f"{summary['total_wall_s'] / 60:.1f} min)")
+    return 0
