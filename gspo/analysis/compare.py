@@ -25,10 +25,9 @@ from gspo.analysis.report import summarize, write_report
 from gspo.analysis.spec import CompareSpec
 from gspo.config import ConfigError, TrainConfig, to_dict
 from gspo.models.moe import routing_change
-from gspo.objectives import ADVANTAGES
-from gspo.rollout import pad_batch
+from gspo.objectives import bind_objective
 from gspo.trainer import Trainer
-from gspo.trainer.update import UpdateBatch, policy_update
+from gspo.trainer.update import UpdatePlan, policy_update
 
 DONE = "compare.json"  # written into a run folder once its run finished
 
@@ -96,25 +95,26 @@ def first_update_probe(cfg: TrainConfig) -> dict[str, Any]:
     GSPO-token and GRPO take the same step: one probe per seed serves every arm.
     """
     trainer = Trainer(cfg).setup()
-    if not trainer.moe:
+    if not trainer.hooks.active:
         return {}
     o = cfg.objective
     examples, roll = trainer.rollout()
     rewards, _ = trainer.score(examples, roll)
-    adv = ADVANTAGES[o.advantage](rewards, roll.group_size, scale=o.scale_rewards)
-    batch = pad_batch(roll.prompt_ids, roll.response_ids, trainer.pad_id, roll.logprobs)
-    old, _, routing = trainer.old_logprobs(batch)
-    mask = batch["response_mask"]
-    full = UpdateBatch(batch["input_ids"], batch["attention_mask"], mask, old, adv, None,
-                       routing)
+    adv = trainer.advantages(rewards, roll)
+    every_row = UpdatePlan([[torch.arange(len(roll))]])  # the π_old pass over the whole batch
+    batch, _ = trainer.update_batch(roll, adv, every_row)
+    routing, mask = batch.routing, batch.response_mask
     gen = torch.Generator().manual_seed(cfg.seed)
     rows = torch.randperm(len(roll), generator=gen)[: len(roll) // o.num_minibatches]
-    one = dataclasses.replace(o, num_minibatches=1, epochs=1, beta=0.0)
+    # one AdamW step on one minibatch, no replay (the default hooks), no KL
     policy_update(trainer.model, trainer.optimizer, trainer.scheduler,
-                  full.rows(rows.sort().values), objective=one,
+                  dataclasses.replace(batch, ref_logprobs=None), UpdatePlan([[rows.sort().values]]),
+                  objective=bind_objective(dataclasses.replace(o, beta=0.0)),
                   temperature=cfg.rollout.temperature, chunk=cfg.logprob_chunk,
-                  grad_clip=cfg.optim.grad_clip, generator=gen)
-    _, _, after = trainer.old_logprobs(batch)
+                  grad_clip=cfg.optim.grad_clip, dist=trainer.dist)
+    padded = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
+              "response_mask": mask}
+    _, _, after = trainer.old_logprobs(padded)
     tokens = routing_change(routing, after, mask.reshape(-1))
     experts = expert_change(routing, after, mask)
     return {"token_change": float(tokens["overall"]),

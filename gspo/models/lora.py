@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from gspo.models.loading import ModelError
 from gspo.models.logprobs import token_logprobs
 
 
@@ -51,8 +52,6 @@ def apply_lora(model: Any, cfg: Any, *, adapter_dir: str | Path | None = None) -
     try:
         return get_peft_model(model, lora)
     except ValueError as e:  # e.g. no module matches target_modules
-        from gspo.models.loading import ModelError
-
         raise ModelError(f"lora: {str(e).strip().splitlines()[0]}") from None
 
 

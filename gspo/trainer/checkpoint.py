@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from gspo.models.lora import is_peft
+
 LATEST = "latest"
 # Tests only: "PHASE:STEP" (e.g. "renamed:3") makes the write of step_STEP announce PHASE on
 # stderr and then wait, so that a test can SIGKILL the trainer at that instant of the write.
@@ -121,8 +123,6 @@ def load_weights(model: Any, path: Path) -> None:
     """Load the weights of checkpoint ``path`` into ``model`` in place (a LoRA policy: its
     adapter). Raises if the checkpoint does not cover every parameter."""
     from safetensors.torch import load_file
-
-    from gspo.models.lora import is_peft
 
     if is_peft(model):
         from peft import set_peft_model_state_dict
