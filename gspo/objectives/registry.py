@@ -5,12 +5,16 @@
   :mod:`gspo.objectives.policy_losses`).
 * ``ADVANTAGES``: advantage estimators with the signature of :class:`AdvantageFn`
   (``grpo``, ``rloo`` are registered by :mod:`gspo.objectives.advantages`).
+* ``ROW_WEIGHTS``: per objective name, the rule (a :class:`RowWeightFn`) for the weights w_i
+  of that loss's mean over rows, registered beside the loss; an objective without one
+  weights every valid row by 1 (:func:`gspo.objectives.policy_losses.valid_row_weights`).
 
-Both are :class:`gspo.registry.Registry` instances.
+All three are :class:`gspo.registry.Registry` instances.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 from torch import Tensor
@@ -20,9 +24,11 @@ from gspo.registry import Registry, UnknownNameError
 __all__ = [
     "ADVANTAGES",
     "OBJECTIVES",
+    "ROW_WEIGHTS",
     "AdvantageFn",
     "PolicyLossFn",
     "Registry",
+    "RowWeightFn",
     "UnknownNameError",
 ]
 
@@ -33,7 +39,9 @@ class PolicyLossFn(Protocol):
     ``logprobs``/``old_logprobs``/``mask``/``ref_logprobs`` are [B, T]; ``advantages`` is
     [B] (or [B, T] where the objective allows it). Returns ``(loss, stats)`` where
     ``loss`` is a 0-d tensor to minimise and ``stats`` maps ``"objective/..."`` keys to
-    detached float32 0-d tensors.
+    detached float32 0-d tensors. A loss may take further keyword-only options (GSPO's
+    ``aggregation``); options are only ever keyword-only arguments, so an unknown one raises
+    ``TypeError`` (no ``**options``).
     """
 
     def __call__(
@@ -47,7 +55,6 @@ class PolicyLossFn(Protocol):
         eps_high: float,
         beta: float = 0.0,
         ref_logprobs: Tensor | None = None,
-        **options: Any,
     ) -> tuple[Tensor, dict[str, Tensor]]: ...
 
 
@@ -59,5 +66,13 @@ class AdvantageFn(Protocol):
     ) -> Tensor: ...
 
 
+class RowWeightFn(Protocol):
+    """w_i [N] float32 of an objective's mean over rows, Σ_i w_i term_i / Σ_i w_i, from the
+    response mask [N, T] and the loss's options (every keyword-only option, bound)."""
+
+    def __call__(self, mask: Tensor, options: Mapping[str, Any]) -> Tensor: ...
+
+
 OBJECTIVES: Registry[PolicyLossFn] = Registry("objective")
 ADVANTAGES: Registry[AdvantageFn] = Registry("advantage estimator")
+ROW_WEIGHTS: Registry[RowWeightFn] = Registry("row-weight rule")

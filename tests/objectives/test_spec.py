@@ -1,0 +1,222 @@
+"""Tests for gspo.objectives.spec: objectives bound from config, row weights, stat kinds."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import pytest
+import torch
+
+from gspo.config import ConfigError, ObjectiveConfig
+from gspo.objectives import (
+    OBJECTIVES,
+    STAT_KEYS,
+    STAT_KIND_NAMES,
+    STAT_KINDS,
+    TRAINER_FIELDS,
+    Objective,
+    UnknownNameError,
+    bind_objective,
+    gspo_loss,
+    loss_options,
+)
+from gspo.objectives.spec import _option_defaults
+from gspo.trainer import metrics
+
+F64 = torch.float64
+EPS = dict(eps_low=0.2, eps_high=0.28)
+DEFAULTS = dataclasses.asdict(ObjectiveConfig())
+
+
+def _batch(seed: int = 0, B: int = 5, T: int = 7):
+    """Random float64 batch with lengths 7, 4, 0 (empty), 2, 6 and a reference policy."""
+    g = torch.Generator().manual_seed(seed)
+    old = -torch.rand(B, T, generator=g, dtype=F64) * 3 - 0.1
+    lp = old + 0.3 * torch.randn(B, T, generator=g, dtype=F64)
+    ref = old + 0.2 * torch.randn(B, T, generator=g, dtype=F64)
+    adv = torch.randn(B, generator=g, dtype=F64)
+    lengths = torch.tensor([7, 4, 0, 2, 6])[:B]
+    mask = (torch.arange(T)[None] < lengths[:, None]).to(F64)
+    return lp, old, adv, mask, ref
+
+
+def _bind(**fields):
+    values = dataclasses.asdict(ObjectiveConfig(**fields))
+    return bind_objective(values["name"], values, DEFAULTS)
+
+
+# --------------------------------------------------------------------------- binding
+
+
+def test_option_a_loss_does_not_take_is_a_config_error_naming_field_and_loss():
+    with pytest.raises(ConfigError) as info:
+        _bind(name="grpo", aggregation="token")
+    assert str(info.value) == ("objective.aggregation='token': objective 'grpo' does not take "
+                               "this option (its options: beta, eps_high, eps_low)")
+
+
+def test_default_valued_fields_the_loss_does_not_take_are_not_passed():
+    objective = _bind(name="grpo", eps_low=0.1, beta=0.02, epochs=3, num_minibatches=2)
+    assert objective.name == "grpo"
+    assert objective.options == {"eps_low": 0.1, "eps_high": 4e-4, "beta": 0.02}
+
+
+def test_gspo_takes_aggregation():
+    assert _bind(name="gspo").options == {"eps_low": 3e-4, "eps_high": 4e-4, "beta": 0.0,
+                                          "aggregation": "sequence"}
+    assert _bind(name="gspo", aggregation="token").options["aggregation"] == "token"
+
+
+def test_unknown_objective_name():
+    with pytest.raises(UnknownNameError, match="unknown objective 'nope'"):
+        bind_objective("nope", DEFAULTS, DEFAULTS)
+    with pytest.raises(UnknownNameError):
+        Objective("nope", {})
+
+
+def test_every_config_field_is_a_trainer_field_or_an_option():
+    options = {o for name in OBJECTIVES for o in loss_options(name)}
+    fields = {f.name for f in dataclasses.fields(ObjectiveConfig)}
+    assert set(TRAINER_FIELDS) <= fields
+    assert fields - set(TRAINER_FIELDS) <= options
+    assert not options & set(TRAINER_FIELDS)
+
+
+def test_loss_options_are_the_keyword_only_parameters():
+    assert loss_options("gspo") == ("aggregation", "beta", "eps_high", "eps_low")
+    for name in OBJECTIVES:
+        assert {"eps_low", "eps_high", "beta"} <= set(loss_options(name))
+        assert "ref_logprobs" not in loss_options(name)
+
+
+def test_a_loss_swallowing_kwargs_is_rejected():
+    def loose(logprobs, old_logprobs, advantages, mask, *, eps_low, **options):
+        raise AssertionError
+
+    with pytest.raises(TypeError, match="keyword-only"):
+        _option_defaults("loose", loose)
+
+
+def test_objective_rejects_unknown_and_missing_options():
+    with pytest.raises(TypeError, match="clip_eps"):
+        Objective("grpo", {**EPS, "clip_eps": 0.1})
+    with pytest.raises(TypeError, match="eps_high"):
+        Objective("grpo", {"eps_low": 0.2})
+    assert Objective("gspo", EPS).options == {**EPS, "beta": 0.0, "aggregation": "sequence"}
+
+
+# --------------------------------------------------------------------------- loss
+
+
+def _token_ratio_mean(lp, old, mask):
+    """Mean over response tokens of exp(logp - old), written out."""
+    on = mask > 0
+    return torch.exp((lp - old)[on]).mean()
+
+
+@pytest.mark.parametrize("name", sorted(OBJECTIVES))
+def test_loss_is_the_registered_function_plus_token_ratio_mean(name):
+    lp, old, adv, mask, ref = _batch(seed=1)
+    options = {**EPS, "beta": 0.05}
+    loss, stats = Objective(name, options).loss(lp, old, adv, mask, ref_logprobs=ref)
+    raw_loss, raw_stats = OBJECTIVES[name](lp, old, adv, mask, ref_logprobs=ref, **options)
+    assert torch.equal(loss, raw_loss)
+    assert set(stats) == set(raw_stats) | {"objective/token_ratio_mean"}
+    for key, value in raw_stats.items():
+        assert torch.equal(stats[key], value), key
+    ratio = stats["objective/token_ratio_mean"]
+    assert ratio.dtype == torch.float32 and not ratio.requires_grad
+    assert ratio.item() == pytest.approx(_token_ratio_mean(lp, old, mask).item(), rel=1e-6)
+
+
+def test_options_reach_the_loss():
+    lp, old, adv, mask, _ = _batch(seed=2)
+    seq, _ = _bind(name="gspo", **EPS).loss(lp, old, adv, mask)
+    with pytest.warns(UserWarning, match="length-weighted"):
+        tok, _ = _bind(name="gspo", aggregation="token", **EPS).loss(lp, old, adv, mask)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected, _ = gspo_loss(lp, old, adv, mask, **EPS, aggregation="token")
+    assert torch.equal(tok, expected)
+    assert not torch.allclose(seq, tok)
+    narrow, _ = _bind(name="gspo", eps_low=0.01, eps_high=0.01).loss(lp, old, adv, mask)
+    assert torch.equal(narrow, gspo_loss(lp, old, adv, mask, eps_low=0.01, eps_high=0.01)[0])
+
+
+# --------------------------------------------------------------------------- row weights
+
+
+@pytest.mark.parametrize("name", sorted(OBJECTIVES))
+def test_row_weights_are_one_per_valid_row(name):
+    _, _, _, mask, _ = _batch()
+    w = Objective(name, EPS).row_weights(mask)
+    assert w.dtype == torch.float32
+    assert w.tolist() == [1.0, 1.0, 0.0, 1.0, 1.0]
+
+
+def test_gspo_token_aggregation_weights_rows_by_length():
+    _, _, _, mask, _ = _batch()
+    w = Objective("gspo", {**EPS, "aggregation": "token"}).row_weights(mask)
+    assert w.dtype == torch.float32
+    assert w.tolist() == [7.0, 4.0, 0.0, 2.0, 6.0]
+
+
+@pytest.mark.parametrize("aggregation", ["sequence", "token"])
+def test_row_weights_are_the_weights_of_the_loss_mean(aggregation):
+    """Σ_i w_i term_i / Σ_i w_i with the declared w_i and single-row losses gives the loss."""
+    lp, old, adv, mask, _ = _batch(seed=3)
+    objective = Objective("gspo", {**EPS, "aggregation": aggregation})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loss, _ = objective.loss(lp, old, adv, mask)
+        rows = torch.stack([objective.loss(lp[i:i + 1], old[i:i + 1], adv[i:i + 1],
+                                           mask[i:i + 1])[0] for i in range(len(adv))])
+    w = objective.row_weights(mask).to(F64)
+    torch.testing.assert_close((w * rows).sum() / w.sum(), loss)
+
+
+# --------------------------------------------------------------------------- stat kinds
+
+
+def _stat_variants(name):
+    """(options, ref, advantages shape) combinations covering every optional stat."""
+    yield {**EPS}, False, "rows"
+    yield {**EPS, "beta": 0.1}, True, "rows"
+    yield {**EPS}, True, "rows"  # kl_ref is logged with beta = 0 too
+    if "aggregation" in loss_options(name):
+        yield {**EPS, "beta": 0.1, "aggregation": "token"}, True, "rows"
+    if name in ("gspo_token", "grpo", "cispo"):
+        yield {**EPS, "beta": 0.1}, True, "tokens"
+
+
+@pytest.mark.parametrize("name", sorted(OBJECTIVES))
+def test_every_stat_has_a_declared_kind(name):
+    lp, old, adv, mask, ref = _batch(seed=4)
+    seen = set()
+    for options, with_ref, adv_shape in _stat_variants(name):
+        objective = Objective(name, options)
+        a = adv[:, None].expand_as(mask) if adv_shape == "tokens" else adv
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _, stats = objective.loss(lp, old, a, mask, ref_logprobs=ref if with_ref else None)
+        assert set(stats) <= set(objective.stat_kinds), set(stats) - set(objective.stat_kinds)
+        seen |= set(stats)
+    assert {"objective/kl_ref", "objective/token_ratio_mean"} <= seen
+
+
+def test_stat_kinds_are_well_formed():
+    assert set(STAT_KEYS) | {"objective/kl_ref", "objective/token_ratio_mean"} == set(STAT_KINDS)
+    assert set(STAT_KINDS.values()) <= set(STAT_KIND_NAMES)
+    for key, kind in STAT_KINDS.items():
+        if key.endswith("_std"):  # pooled with its mean: same rows / tokens
+            assert STAT_KINDS[key[: -len("_std")] + "_mean"] == kind, key
+        if key.endswith(("_min", "_max")):
+            assert kind == key[-3:], key
+
+
+@pytest.mark.skipif(not hasattr(metrics, "_kind"), reason="metrics now reads STAT_KINDS")
+def test_stat_kinds_match_the_trainers_former_guess():
+    # transitional: the kinds metrics._kind guessed from key names before it read STAT_KINDS
+    for key, kind in STAT_KINDS.items():
+        assert metrics._kind(key) == kind, key
