@@ -96,34 +96,29 @@ def update_phase(model: Any, optimizer: Any, batch: dict[str, torch.Tensor], *, 
     π_old pass covers the rows outside the first minibatch, whose own forward gives the rest."""
     from gspo.config import ObjectiveConfig
     from gspo.models.lean_forward import inference_safe
-    from gspo.trainer.update import (
-        UpdateBatch,
-        minibatch_plan,
-        outside_first_minibatch,
-        policy_update,
-    )
+    from gspo.objectives import objective_from_config
+    from gspo.trainer.update import UpdateBatch, plan_update, policy_update
 
     logprobs_fn = logprob_path(model, packed)
     inference = logprobs_fn.keywords["lean"] and inference_safe(model)  # as the trainer
-    objective = ObjectiveConfig(num_minibatches=minibatches)
     n = batch["input_ids"].shape[0]
-    plan = minibatch_plan(n, objective, torch.Generator().manual_seed(seed))
-    rest = outside_first_minibatch(plan, n)
-    old, entropy = torch.zeros(batch["input_ids"].shape), torch.zeros(batch["input_ids"].shape)
+    plan = plan_update(n, num_minibatches=minibatches, epochs=1,
+                       generator=torch.Generator().manual_seed(seed), old_from_first=True)
+    rest = plan.old_pass_rows(n)
+    old = torch.zeros(batch["input_ids"].shape)
     width = int(batch["attention_mask"][rest].sum(-1).max())
     cols = [batch[k][rest, :width] for k in ("input_ids", "attention_mask", "response_mask")]
     model.eval()
     with torch.no_grad(), torch.inference_mode(inference):
-        lp, ent = logprobs_fn(model, *cols, with_entropy=True)
-    old[rest, :width], entropy[rest, :width] = lp, ent
+        lp, _ = logprobs_fn(model, *cols, with_entropy=True)
+    old[rest, :width] = lp
     adv = torch.randn(n, generator=torch.Generator().manual_seed(seed))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     policy_update(model, optimizer, scheduler,
                   UpdateBatch(batch["input_ids"], batch["attention_mask"],
-                              batch["response_mask"], old, adv, old_from_first_minibatch=True,
-                              entropy=entropy),
-                  objective=objective, temperature=1.0, chunk=256, grad_clip=1.0,
-                  generator=torch.Generator(), logprob_fn=logprobs_fn, plan=plan)
+                              batch["response_mask"], old, adv), plan,
+                  objective=objective_from_config(ObjectiveConfig(num_minibatches=minibatches)),
+                  temperature=1.0, chunk=256, grad_clip=1.0, logprob_fn=logprobs_fn)
 
 
 def count_flops(fn: Any) -> float:

@@ -81,16 +81,16 @@ def test_python_api_with_records_raw_prompts_and_trackers(tmp_path, monkeypatch)
                                     finish=lambda: calls.append(("trackio.finish",)))
     monkeypatch.setitem(sys.modules, "wandb", wandb)
     monkeypatch.setitem(sys.modules, "trackio", trackio)
-    import gspo.trainer.trainer as trainer_module
+    import gspo.rollout.hf_engine as engine_module
 
     seen_prompts: list[list[int]] = []
-    real_generate = trainer_module.generate
+    real_generate = engine_module.generate
 
     def spy(model, prompts, **kw):
         seen_prompts.extend(prompts)
         return real_generate(model, prompts, **kw)
 
-    monkeypatch.setattr(trainer_module, "generate", spy)
+    monkeypatch.setattr(engine_module, "generate", spy)
     model, tok = build_tiny("llama")
     data = [{"prompt": f"{i}+1=", "answer": str(i + 1), "level": 7} for i in range(10)]
     cfg = TrainConfig(steps=1, output_dir=str(tmp_path), run_name="api", progress=False,

@@ -25,7 +25,7 @@ from gspo.analysis.report import summarize, write_report
 from gspo.analysis.spec import CompareSpec
 from gspo.config import ConfigError, TrainConfig, to_dict
 from gspo.models.moe import routing_change
-from gspo.objectives import bind_objective
+from gspo.objectives import objective_from_config
 from gspo.trainer import Trainer
 from gspo.trainer.update import UpdatePlan, policy_update
 
@@ -109,7 +109,7 @@ def first_update_probe(cfg: TrainConfig) -> dict[str, Any]:
     # one AdamW step on one minibatch, no replay (the default hooks), no KL
     policy_update(trainer.model, trainer.optimizer, trainer.scheduler,
                   dataclasses.replace(batch, ref_logprobs=None), UpdatePlan([[rows.sort().values]]),
-                  objective=bind_objective(dataclasses.replace(o, beta=0.0)),
+                  objective=objective_from_config(dataclasses.replace(o, beta=0.0)),
                   temperature=cfg.rollout.temperature, chunk=cfg.logprob_chunk,
                   grad_clip=cfg.optim.grad_clip, dist=trainer.dist)
     padded = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,

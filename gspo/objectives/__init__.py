@@ -39,6 +39,7 @@ from gspo.objectives.spec import (
     Objective,
     bind_objective,
     loss_options,
+    objective_from_config,
     token_ratio_mean,
 )
 
@@ -68,6 +69,7 @@ __all__ = [
     "gspo_row_weights",
     "gspo_token_loss",
     "loss_options",
+    "objective_from_config",
     "rloo_advantages",
     "token_ratio_mean",
     "valid_row_weights",

@@ -90,10 +90,11 @@ STAT_KEYS: tuple[str, ...] = (
 )
 """Keys always present in ``stats``; ``objective/kl_ref`` is added when ref_logprobs is given."""
 
-STAT_KIND_NAMES: tuple[str, ...] = ("rows", "tokens", "weight", "min", "max")
+STAT_KIND_NAMES: tuple[str, ...] = ("rows", "tokens", "weight", "min", "max", "std")
 """How a stat of one minibatch is a mean, which decides how its values combine across ranks:
 ``rows`` a mean over valid rows, ``tokens`` a mean over response tokens, ``weight``
-Σ_i w_i x_i / Σ_i w_i with the objective's row weights w_i, ``min`` / ``max`` an extreme."""
+Σ_i w_i x_i / Σ_i w_i with the objective's row weights w_i, ``min`` / ``max`` an extreme,
+``std`` a std pooled with its ``*_mean`` (see :data:`STAT_KINDS`)."""
 
 STAT_KINDS: dict[str, str] = {
     "objective/loss": "weight",
@@ -108,18 +109,18 @@ STAT_KINDS: dict[str, str] = {
     "objective/seq_ratio_mean": "rows",
     "objective/seq_ratio_min": "min",
     "objective/seq_ratio_max": "max",
-    "objective/seq_ratio_std": "rows",
+    "objective/seq_ratio_std": "std",
     "objective/token_ratio_mean": "tokens",
-    "objective/token_ratio_std": "tokens",
+    "objective/token_ratio_std": "std",
     "objective/token_log_ratio_abs_max": "max",
     "objective/approx_kl": "tokens",
     "objective/adv_mean": "rows",
 }
 """Kind (one of :data:`STAT_KIND_NAMES`) of every stat a loss returns, plus
 ``objective/token_ratio_mean``, which :meth:`gspo.objectives.spec.Objective.loss` adds.
-A ``*_std`` key (a population std over the same rows / tokens as its ``*_mean``) has the
-kind of its ``*_mean``, which is always present: across ranks it is pooled exactly from
-E[x^2] = std^2 + mean^2 and the global mean, sqrt(E[x^2] - mean^2)."""
+A ``std`` stat ``x_std`` is a population std over the same rows / tokens as ``x_mean``, which
+is always present: across ranks it is pooled exactly from E[x^2] = std^2 + mean^2 (weighted
+like the mean) and the global mean, sqrt(E[x^2] - mean^2)."""
 
 _GSPO_AGGREGATIONS = ("sequence", "token")
 

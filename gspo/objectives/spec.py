@@ -10,6 +10,7 @@ branches on an objective's name.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gspo.config import ConfigError
+from gspo.config import ConfigError, ObjectiveConfig
 from gspo.objectives.loss_terms import LOG_RATIO_CLAMP
 from gspo.objectives.policy_losses import STAT_KINDS, valid_row_weights
 from gspo.objectives.registry import OBJECTIVES, ROW_WEIGHTS, PolicyLossFn
@@ -130,3 +131,8 @@ def bind_objective(name: str, values: Mapping[str, Any],
             raise ConfigError(f"objective.{key}={value!r}: objective {name!r} does not take "
                               f"this option (its options: {', '.join(takes)})")
     return Objective(name, options)
+
+
+def objective_from_config(cfg: ObjectiveConfig) -> Objective:
+    """:func:`bind_objective` for a run's ``objective`` section."""
+    return bind_objective(cfg.name, dataclasses.asdict(cfg), dataclasses.asdict(ObjectiveConfig()))

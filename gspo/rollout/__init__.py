@@ -11,6 +11,7 @@ from gspo.rollout.engine import (
     EngineOptions,
     RolloutEngine,
     build_engine,
+    engine_capabilities,
 )
 from gspo.rollout.sampler import SamplingParams, generate, greedy_generate
 
@@ -22,6 +23,7 @@ __all__ = [
     "RolloutEngine",
     "SamplingParams",
     "build_engine",
+    "engine_capabilities",
     "generate",
     "greedy_generate",
     "pad_batch",

@@ -5,13 +5,19 @@ log-prob of each sampled token, truncation flags and, when it can, the experts i
 and follows the policy's weights after every update. It declares what it can do in
 :class:`EngineCapabilities`; the trainer asks those, never the engine's name.
 
-Engines are registered by name in :data:`ENGINES` (``rollout.engine`` picks one); a builder
-takes the policy, its tokenizer and an :class:`EngineOptions` and returns a started engine.
-``gspo.rollout`` registers ``hf`` (:mod:`gspo.rollout.hf_engine`) and ``vllm``
-(:mod:`gspo.rollout.vllm_engine`). Adding one:
+Engine classes are registered by name in :data:`ENGINES` (``rollout.engine`` picks one). A
+class declares its capabilities before it starts (``declared_capabilities(opts)``: the trainer
+checks the config against them without starting, say, a vLLM server) and starts with
+``start(model, tokenizer, opts)``. ``gspo.rollout`` registers ``hf``
+(:mod:`gspo.rollout.hf_engine`) and ``vllm`` (:mod:`gspo.rollout.vllm_engine`). Adding one:
 
     @ENGINES.register("mine")
-    def build_mine(model, tokenizer, opts: EngineOptions) -> RolloutEngine: ...
+    class MyEngine:
+        @staticmethod
+        def declared_capabilities(opts: EngineOptions) -> EngineCapabilities: ...
+        @classmethod
+        def start(cls, model, tokenizer, opts: EngineOptions) -> MyEngine: ...
+        # plus the RolloutEngine methods: generate, sync_weights, close, and .capabilities
 """
 
 from __future__ import annotations
@@ -72,13 +78,27 @@ class RolloutEngine(Protocol):
         ...
 
 
-EngineBuilder = Callable[[Any, Any, EngineOptions], RolloutEngine]
-ENGINES: Registry[EngineBuilder] = Registry("rollout engine")
+class EngineType(Protocol):
+    """What :data:`ENGINES` holds: an engine class."""
+
+    @staticmethod
+    def declared_capabilities(opts: EngineOptions) -> EngineCapabilities: ...
+
+    @classmethod
+    def start(cls, model: Any, tokenizer: Any, opts: EngineOptions) -> RolloutEngine: ...
+
+
+ENGINES: Registry[Any] = Registry("rollout engine")  # name -> an EngineType
+
+
+def engine_capabilities(name: str, opts: EngineOptions) -> EngineCapabilities:
+    """What the engine registered as ``name`` will be able to do, before it is started."""
+    return ENGINES[name].declared_capabilities(opts)
 
 
 def build_engine(name: str, model: Any, tokenizer: Any, opts: EngineOptions) -> RolloutEngine:
     """The engine registered as ``name``, started on ``model``'s current weights."""
-    return ENGINES[name](model, tokenizer, opts)
+    return ENGINES[name].start(model, tokenizer, opts)
 
 
 def weights_for_rollout(engine: RolloutEngine, gathered: Callable[[], Any]

@@ -8,10 +8,11 @@ import torch
 
 from gspo.models.tokens import eos_ids
 from gspo.rollout.batch import Rollout
-from gspo.rollout.engine import ENGINES, EngineCapabilities, EngineOptions, RolloutEngine
+from gspo.rollout.engine import ENGINES, EngineCapabilities, EngineOptions
 from gspo.rollout.sampler import SamplingParams, generate
 
 
+@ENGINES.register("hf")
 class HFEngine:
     """gspo's own KV-cached sampler (:func:`gspo.rollout.sampler.generate`) on the policy module
     itself: nothing to copy after an update, the log-probs are the policy's own in fp32."""
@@ -19,9 +20,17 @@ class HFEngine:
     def __init__(self, model: Any, tokenizer: Any, opts: EngineOptions) -> None:
         self.model, self.opts = model, opts
         self.eos, self.pad_id = eos_ids(model, tokenizer), tokenizer.pad_token_id
-        self.capabilities = EngineCapabilities(
-            returns_logprobs=True, routing_unsupported="", precision=opts.dtype,
-            shares_policy_weights=True, per_rank=True)
+        self.capabilities = self.declared_capabilities(opts)
+
+    @staticmethod
+    def declared_capabilities(opts: EngineOptions) -> EngineCapabilities:
+        return EngineCapabilities(returns_logprobs=True, routing_unsupported="",
+                                  precision=opts.dtype, shares_policy_weights=True,
+                                  per_rank=True)
+
+    @classmethod
+    def start(cls, model: Any, tokenizer: Any, opts: EngineOptions) -> HFEngine:
+        return cls(model, tokenizer, opts)
 
     def generate(self, prompts: list[list[int]], *, group_size: int, params: SamplingParams,
                  seeds: list[int]) -> Rollout:
@@ -38,7 +47,3 @@ class HFEngine:
     def close(self) -> None:
         pass
 
-
-@ENGINES.register("hf")
-def build_hf(model: Any, tokenizer: Any, opts: EngineOptions) -> RolloutEngine:
-    return HFEngine(model, tokenizer, opts)

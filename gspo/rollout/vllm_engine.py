@@ -37,7 +37,7 @@ import torch
 
 from gspo.models.tokens import eos_ids
 from gspo.rollout.batch import Rollout
-from gspo.rollout.engine import ENGINES, EngineCapabilities, EngineOptions, RolloutEngine
+from gspo.rollout.engine import ENGINES, EngineCapabilities, EngineOptions
 from gspo.rollout.sampler import SamplingParams
 
 # Why this engine cannot record routing for R3 (see the module docstring).
@@ -70,6 +70,7 @@ def _request_seed(seed: int) -> int:
     return int.from_bytes(hashlib.blake2b(str(seed).encode(), digest_size=7).digest(), "little")
 
 
+@ENGINES.register("vllm")
 class VLLMEngine:
     """One ``vllm.LLM`` on a Hugging Face model folder; ``generate`` returns a :class:`Rollout`."""
 
@@ -83,9 +84,18 @@ class VLLMEngine:
                             max_model_len=max_model_len, skip_tokenizer_init=True,
                             enforce_eager=True, logprobs_mode="processed_logprobs",
                             **engine_args)
-        self.capabilities = EngineCapabilities(
-            returns_logprobs=True, routing_unsupported=NO_ROUTING, precision=dtype,
-            shares_policy_weights=False, per_rank=False)
+        self.capabilities = self.declared_capabilities(EngineOptions(dtype=dtype))
+
+    @staticmethod
+    def declared_capabilities(opts: EngineOptions) -> EngineCapabilities:
+        return EngineCapabilities(returns_logprobs=True, routing_unsupported=NO_ROUTING,
+                                  precision=opts.dtype, shares_policy_weights=False,
+                                  per_rank=False)
+
+    @classmethod
+    def start(cls, model: Any, tokenizer: Any, opts: EngineOptions) -> VLLMEngine:
+        return cls.from_policy(model, tokenizer, dtype=opts.dtype, seed=opts.seed,
+                               gpu_memory_utilization=opts.memory_fraction)
 
     @classmethod
     def from_policy(cls, model: Any, tokenizer: Any, *, dtype: str = "float32", seed: int = 0,
@@ -138,8 +148,3 @@ class VLLMEngine:
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)
 
-
-@ENGINES.register("vllm")
-def build_vllm(model: Any, tokenizer: Any, opts: EngineOptions) -> RolloutEngine:
-    return VLLMEngine.from_policy(model, tokenizer, dtype=opts.dtype, seed=opts.seed,
-                                  gpu_memory_utilization=opts.memory_fraction)

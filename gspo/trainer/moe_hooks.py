@@ -145,19 +145,21 @@ class MoEHooks(PolicyHooks):
             [s[_CHANGE].detach().float() for s in stats[1:]]).mean())}
 
 
-def policy_hooks(model: Any, cfg: MoEConfig, engine: EngineCapabilities) -> PolicyHooks:
+def policy_hooks(model: Any, cfg: MoEConfig, caps: EngineCapabilities, *,
+                 engine: str = "", name: str = "the policy") -> PolicyHooks:
     """The hooks for ``model``: :class:`MoEHooks` for a supported MoE policy, :data:`NO_MOE`
     for a dense one; MoE options on a dense model, or R3 with an engine that cannot record
-    routing, are a :class:`ConfigError`."""
+    routing, are a :class:`ConfigError` (``engine``, ``name``: the engine's and the model's
+    names, for the message)."""
     if not is_moe(model):
         if cfg.routing_replay != "off" or cfg.aux_loss_coef > 0:
             raise ConfigError("moe.routing_replay / moe.aux_loss_coef need a Mixture-of-"
-                              "Experts model; the policy is dense")
+                              f"Experts model; {name} is dense")
         return NO_MOE
-    if cfg.routing_replay == "r3" and engine.routing_unsupported:
-        raise ConfigError("moe.routing_replay=r3 needs rollout-recorded routing, which this "
-                          f"rollout engine cannot return: {engine.routing_unsupported}; use r2 "
-                          "or rollout.engine=hf")
+    if cfg.routing_replay == "r3" and caps.routing_unsupported:
+        raise ConfigError("moe.routing_replay=r3 needs rollout-recorded routing, which "
+                          f"rollout.engine={engine} cannot return here: "
+                          f"{caps.routing_unsupported}; use r2 or rollout.engine=hf")
     return MoEHooks(model, cfg)
 
 

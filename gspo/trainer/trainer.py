@@ -32,10 +32,17 @@ from gspo.models.lean_forward import inference_safe, lean_unsupported
 from gspo.models.lora import apply_lora, is_peft, reference_logprobs
 from gspo.models.packing import shared_prefix_logprobs
 from gspo.models.tokens import eos_ids
-from gspo.objectives import ADVANTAGES, bind_objective, group_stats
+from gspo.objectives import ADVANTAGES, group_stats, objective_from_config
 from gspo.rewards import RewardError, RewardScorer
 from gspo.rewards.shaping import add_overlong
-from gspo.rollout import EngineOptions, Rollout, SamplingParams, build_engine, pad_batch
+from gspo.rollout import (
+    EngineOptions,
+    Rollout,
+    SamplingParams,
+    build_engine,
+    engine_capabilities,
+    pad_batch,
+)
 from gspo.rollout.engine import weights_for_rollout
 from gspo.trainer import distributed
 from gspo.trainer.checkpoint import (
@@ -133,7 +140,7 @@ class Trainer:
                                                                       functions=names))
         validate(cfg)  # a TrainConfig built in Python has not been checked yet
         self.cfg = cfg
-        self.objective = bind_objective(cfg.objective)  # a loss option it lacks: ConfigError
+        self.objective = objective_from_config(cfg.objective)  # an unused option: ConfigError
         self.reward_specs = reward_fns or cfg.reward.functions
         self.model, self.tokenizer = model, tokenizer
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
@@ -187,8 +194,7 @@ class Trainer:
         self.ref_model = self._reference_model() if cfg.objective.beta > 0 else None
         # Before the engine and the optimizer: FSDP2 replaces the parameters with shards.
         self.dist = distributed.prepare(cfg, self.model, self.ref_model)
-        self._start_engine()  # on the final policy; the MoE hooks ask what it can record
-        self.hooks = policy_hooks(self.model, cfg.moe, self.engine.capabilities)
+        self._start_engine()  # on the final policy, once the config fits what it can do
         self._choose_passes()
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad], lr=cfg.optim.lr,
@@ -225,15 +231,20 @@ class Trainer:
             self.model.gradient_checkpointing_enable()
 
     def _start_engine(self) -> None:
+        """Check the config against what the engine declares it can do (routing for R3, one
+        engine per rank under torchrun), build the MoE hooks, then start the engine."""
         cfg = self.cfg
         opts = EngineOptions(dtype=cfg.dtype, seed=cfg.seed,
                              record_routing=cfg.moe.routing_replay == "r3",
                              fast_decode=cfg.rollout.fast_decode,
                              memory_fraction=cfg.rollout.vllm_memory_fraction)
-        self.engine = build_engine(cfg.rollout.engine, self.model, self.tokenizer, opts)
-        if self.dist.enabled and not self.engine.capabilities.per_rank:
+        caps = engine_capabilities(cfg.rollout.engine, opts)
+        self.hooks = policy_hooks(self.model, cfg.moe, caps, engine=cfg.rollout.engine,
+                                  name=cfg.model)
+        if self.dist.enabled and not caps.per_rank:
             raise ConfigError(f"rollout.engine={cfg.rollout.engine} runs in one process only "
                               "for now; use rollout.engine=hf under torchrun")
+        self.engine = build_engine(cfg.rollout.engine, self.model, self.tokenizer, opts)
 
     def _choose_passes(self) -> None:
         """The log-prob pass every phase uses. Shared-prompt packing changes the (B, T) layout

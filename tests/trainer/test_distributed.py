@@ -74,12 +74,17 @@ def _update(model, batch, objective, dist=None):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
     from gspo.config import MoEConfig
+    from gspo.objectives import objective_from_config
+    from gspo.trainer.moe_hooks import NO_MOE, MoEHooks
+    from gspo.trainer.update import plan_update
 
-    moe = MoEConfig() if "moe" in type(model).__name__.lower() else None
-    stats, skipped = policy_update(model, opt, sched, batch, objective=objective,
-                                   temperature=1.0, chunk=7, grad_clip=1.0,
-                                   generator=torch.Generator().manual_seed(MB_SEED), moe=moe,
-                                   dist=dist)
+    hooks = MoEHooks(model, MoEConfig()) if "moe" in type(model).__name__.lower() else NO_MOE
+    plan = plan_update(B * G, num_minibatches=objective.num_minibatches, epochs=objective.epochs,
+                       generator=torch.Generator().manual_seed(MB_SEED))
+    result = policy_update(model, opt, sched, batch, plan,
+                           objective=objective_from_config(objective), temperature=1.0, chunk=7,
+                           grad_clip=1.0, hooks=hooks, dist=dist)
+    stats, skipped = result.stats, result.skipped
     assert skipped == 0
     return opt, stats
 

@@ -14,9 +14,10 @@ import torch
 from safetensors.torch import load_file
 
 from gspo.cli import EXIT_GUARD_STOP, main
-from gspo.config import ReliabilityConfig, load_config
+from gspo.config import GuardConfig, load_config
 from gspo.trainer import Trainer
 from gspo.trainer import guard as guard_module
+from gspo.trainer import reliability as reliability_module
 from gspo.trainer.guard import Guard, GuardStop
 from gspo.trainer.update import _all_finite
 
@@ -68,7 +69,7 @@ def _poison(monkeypatch, trainer, bad_steps, corrupt_at=None):
 
 
 def _guard(**kw):
-    return Guard(ReliabilityConfig(**kw))
+    return Guard(GuardConfig(**kw))
 
 
 def test_fault_streak_fires_after_k_consecutive_and_resets():
@@ -163,7 +164,7 @@ def test_fault_streak_rolls_back_to_the_last_good_checkpoint(tmp_path, monkeypat
         seen["moments"] = torch.load(ckpt / "optimizer.pt", weights_only=True)["optimizer"]
         seen["live"] = copy.deepcopy(optimizer.state_dict())  # step 5 updates it in place
 
-    monkeypatch.setattr(guard_module, "roll_back", roll_back)
+    monkeypatch.setattr(reliability_module, "roll_back", roll_back)
     trainer.train()
     out = capsys.readouterr().out
     assert "guard: step 4: 2 consecutive steps with updates skipped" in out

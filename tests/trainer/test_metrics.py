@@ -34,7 +34,7 @@ def _pooled(per_rank: list[tuple[list[dict], list[dict]]], kinds=KINDS) -> list[
     for stats, counts in per_rank:  # pass 2: every call returns the reduction over ranks
         calls = iter(range(len(sent[0])))
 
-        def combine(t, op="sum"):
+        def combine(t, op="sum", calls=calls):
             i = next(calls)
             parts = torch.stack([s[i] for s in sent])
             return parts.sum(0) if op == "sum" else parts.max(0).values

@@ -103,10 +103,11 @@ def test_r3_replays_what_the_rollout_recorded_not_the_recompute(tmp_path, monkey
     count every seen response token as mismatched."""
     import torch
 
+    import gspo.rollout.hf_engine as engine_mod
     import gspo.trainer.trainer as trainer_mod
 
     seen = {}
-    real_generate, real_update = trainer_mod.generate, trainer_mod.policy_update
+    real_generate, real_update = engine_mod.generate, trainer_mod.policy_update
     real_old = Trainer.old_logprobs
 
     def shifted_generate(*args, **kwargs):
@@ -121,11 +122,12 @@ def test_r3_replays_what_the_rollout_recorded_not_the_recompute(tmp_path, monkey
         seen["r2"] = out[2]
         return out
 
-    def update(model, optimizer, scheduler, batch, **kwargs):
-        seen["replayed"], seen["replay"] = batch.routing, batch.replay
-        return real_update(model, optimizer, scheduler, batch, **kwargs)
+    def update(model, optimizer, scheduler, batch, plan, **kwargs):
+        seen["replayed"] = batch.routing
+        seen["replay"] = kwargs["hooks"].cfg.routing_replay != "off"
+        return real_update(model, optimizer, scheduler, batch, plan, **kwargs)
 
-    monkeypatch.setattr(trainer_mod, "generate", shifted_generate)
+    monkeypatch.setattr(engine_mod, "generate", shifted_generate)
     monkeypatch.setattr(trainer_mod, "policy_update", update)
     monkeypatch.setattr(Trainer, "old_logprobs", old_logprobs)
     trainer = _r3_trainer(tmp_path, "r3shift", "steps=1")

@@ -166,7 +166,7 @@ def test_first_minibatch_forward_as_pi_old_gives_the_same_step(tmp_path, monkeyp
     out = {}
     for reuse in (True, False):
         if not reuse:
-            monkeypatch.setattr(trainer_mod, "reuse_first_forward", lambda *a: False)
+            monkeypatch.setattr(trainer_mod, "can_reuse_first_forward", lambda *a: False)
         t = Trainer(_cfg(tmp_path, f"r{reuse}{objective}", "steps=2", "eval_before=false",
                          "task.eval_size=0", f"objective.name={objective}", *eps,
                          "objective.num_minibatches=3", "optim.lr=1e-3"),
@@ -195,11 +195,12 @@ def test_first_minibatch_forward_as_pi_old_gives_the_same_step(tmp_path, monkeyp
 def test_dropout_keeps_the_full_pi_old_pass():
     from gspo.models.tiny import build_tiny
     from gspo.trainer.distributed import Dist
-    from gspo.trainer.update import has_dropout, reuse_first_forward
+    from gspo.trainer.moe_hooks import NO_MOE, MoEHooks
+    from gspo.trainer.update import can_reuse_first_forward, has_dropout
 
     model, _ = build_tiny("llama")
-    objective = load_config(None, []).objective
-    assert not has_dropout(model) and reuse_first_forward(model, objective, Dist(), False)
-    assert not reuse_first_forward(model, objective, Dist(), True)  # MoE: π_old routing
+    moe = MoEHooks(build_tiny("qwen3_moe")[0], load_config(None, []).moe)
+    assert not has_dropout(model) and can_reuse_first_forward(model, Dist(), NO_MOE)
+    assert not can_reuse_first_forward(model, Dist(), moe)  # MoE: π_old routing
     model.config.attention_dropout = 0.1
-    assert has_dropout(model) and not reuse_first_forward(model, objective, Dist(), False)
+    assert has_dropout(model) and not can_reuse_first_forward(model, Dist(), NO_MOE)
