@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     a = p.parse_args(sys.argv[1:] if argv is None else argv)
     from gspo.data import format_prompt
     from gspo.models import load_model
-    from gspo.rollout.sampler import eos_ids
+    from gspo.models.tokens import eos_ids
 
     torch.set_num_threads(1)
     fp32, tok = load_model(a.model)

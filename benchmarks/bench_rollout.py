@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     a = p.parse_args(sys.argv[1:] if argv is None else argv)
     from gspo.data import format_prompt
     from gspo.models import load_model
-    from gspo.rollout.sampler import eos_ids
+    from gspo.models.tokens import eos_ids
 
     torch.set_num_threads(a.threads)
     model, tok = load_model(a.model)

@@ -83,8 +83,8 @@ def cmd_eval(argv: list[str]) -> int:
     cfg = load_config(path, [*overrides, f"model={ns.model}"])
     from gspo.data import build_task
     from gspo.models import load_model
+    from gspo.models.tokens import eos_ids
     from gspo.rewards import RewardScorer
-    from gspo.rollout.sampler import eos_ids
     from gspo.trainer.evaluate import evaluate
 
     scorer = RewardScorer.from_specs(cfg.reward.functions, cfg.reward.weights)

@@ -29,7 +29,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from gspo.models.decode import DenseDecoder, unsupported
 from gspo.models.lean_forward import inference_safe, key_bias, lean_hidden
-from gspo.models.tokens import eos_ids  # noqa: F401  (re-exported: gspo.rollout.sampler.eos_ids)
+from gspo.models.moe import capture_routing, router_modules
 from gspo.rollout.batch import Rollout
 
 
@@ -200,8 +200,6 @@ class _RoutingLog:
     """
 
     def __init__(self, model: Any, prompt_lens: list[int], group_size: int, steps: int) -> None:
-        from gspo.models.moe import capture_routing, router_modules
-
         self._ctx = capture_routing(model, device="cpu")
         self._rec = self._ctx.__enter__()
         k = {int(getattr(r, "top_k", 0)) for r in router_modules(model)}

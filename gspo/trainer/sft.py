@@ -29,9 +29,9 @@ from gspo.config import SFTConfig, to_dict
 from gspo.data import ArithmeticTask, DataError, Example, format_prompt
 from gspo.models.loading import MODEL_SOURCES, cache_dir, load_model
 from gspo.models.logprobs import token_logprobs
+from gspo.models.tokens import eos_ids
 from gspo.rewards import RewardScorer
 from gspo.rollout import pad_batch
-from gspo.rollout.sampler import eos_ids
 from gspo.trainer.evaluate import evaluate
 
 SFT_FORMAT = 1
