@@ -55,6 +55,14 @@ def test_wrong_type(capsys, tmp_path):
     assert "eval_before" in fail(capsys, tmp_path, TINY, "eval_before=3")
 
 
+@pytest.mark.parametrize("cmd", ["train", "validate"])
+def test_option_the_objective_does_not_take(capsys, tmp_path, cmd):
+    """objective.aggregation is GSPO's: set for GRPO it is an error, never silently ignored."""
+    line = fail(capsys, tmp_path, TINY, "objective.name=grpo", "objective.aggregation=token",
+                cmd=cmd)
+    assert "objective.aggregation" in line and "'grpo'" in line
+
+
 def test_group_size_one(capsys, tmp_path):
     assert "rollout.group_size" in fail(capsys, tmp_path, TINY, "rollout.group_size=1")
 

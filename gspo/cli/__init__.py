@@ -104,7 +104,9 @@ def cmd_validate(args: list[str]) -> int:
     if path is not None and is_compare_file(path) and not overrides:
         load_spec(path)  # a gspo compare file: checks every arm's run config
     else:
-        load_config(path, overrides)
+        from gspo.objectives import objective_from_config  # loads torch: only when needed
+
+        objective_from_config(load_config(path, overrides).objective)  # options the loss takes
     print(f"{path or 'defaults'}: ok")
     return 0
 
