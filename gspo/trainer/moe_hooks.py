@@ -13,6 +13,7 @@ import torch
 
 from gspo.models.moe import (
     capture_routing,
+    expert_set_changed,
     load_balancing_loss,
     moe_adapter,
     replay_routing,
@@ -93,8 +94,7 @@ def merge_rollout_routing(roll: Any, recomputed: list[torch.Tensor]
         known = (rolled >= 0).all(-1)
         merged.append(torch.where(known[:, None], rolled, old))
         sel = known & response.to(old.device)
-        diff = rolled[sel].sort(-1).values != old[sel].sort(-1).values
-        changed += diff.any(-1).sum().double().cpu()
+        changed += expert_set_changed(old[sel], rolled[sel]).sum().double().cpu()
         seen += int(sel.sum())
     return merged, changed, torch.tensor(float(seen), dtype=torch.float64)
 
