@@ -24,7 +24,7 @@ import yaml
 from gspo.analysis.report import summarize, write_report
 from gspo.analysis.spec import CompareSpec
 from gspo.config import ConfigError, TrainConfig, to_dict
-from gspo.models.moe import routing_change
+from gspo.models.moe import expert_change, routing_change
 from gspo.objectives import objective_from_config
 from gspo.trainer import Trainer
 from gspo.trainer.update import UpdatePlan, policy_update
@@ -72,18 +72,6 @@ def run_one(cfg: TrainConfig, info: dict[str, Any], log: Callable[[str], None]) 
     acc = f", held-out accuracy after {after['accuracy']:.1%}" if "accuracy" in after else ""
     log(f"{cfg.run_name}: {wall:.0f} s{acc}")
     return run_dir
-
-
-def expert_change(old: list[torch.Tensor], new: list[torch.Tensor],
-                  mask: torch.Tensor) -> torch.Tensor:
-    """Per MoE layer ``[L]``: share of the k experts chosen under π_old that the new routing no
-    longer chooses, averaged over masked tokens (the paper's "experts that differ")."""
-    w = mask.reshape(-1).float()
-    out = []
-    for a, b in zip(old, new, strict=True):
-        kept = (a[:, :, None] == b[:, None, :]).any(-1).float().mean(-1)  # [N]
-        out.append(((1 - kept) * w).sum() / w.sum().clamp(min=1))
-    return torch.stack(out)
 
 
 def first_update_probe(cfg: TrainConfig) -> dict[str, Any]:

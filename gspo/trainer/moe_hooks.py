@@ -28,6 +28,7 @@ import torch
 from gspo.config import ConfigError, MoEConfig
 from gspo.models.moe import (
     capture_routing,
+    expert_set_changed,
     is_moe,
     load_balancing_loss,
     moe_adapter,
@@ -231,7 +232,6 @@ def merge_rollout_routing(roll: Any, recomputed: list[torch.Tensor]
         known = (rolled >= 0).all(-1)
         merged.append(torch.where(known[:, None], rolled, old))
         sel = known & response.to(old.device)
-        diff = rolled[sel].sort(-1).values != old[sel].sort(-1).values
-        changed += diff.any(-1).sum().double().cpu()
+        changed += expert_set_changed(old[sel], rolled[sel]).sum().double().cpu()
         seen += int(sel.sum())
     return merged, changed, torch.tensor(float(seen), dtype=torch.float64)

@@ -6,10 +6,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gspo.analysis.compare import expert_change, run_compare
+from gspo.analysis.compare import run_compare
 from gspo.analysis.spec import is_compare_file, load_spec
 from gspo.cli import main
 from gspo.config import ConfigError
+from gspo.models.moe import expert_change
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = ROOT / "configs" / "moe" / "compare.yaml"

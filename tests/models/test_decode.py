@@ -5,8 +5,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
 from gspo.models.decode import DenseDecoder, unsupported
-from gspo.models.moe import tiny_moe_config
-from gspo.models.tiny import build_tiny
+from gspo.models.tiny import build_tiny, tiny_moe_config
 from gspo.rollout import SamplingParams, generate, greedy_generate
 from gspo.rollout.sampler import _left_pad
 

@@ -6,8 +6,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Co
 
 from gspo.models.lean_forward import key_bias, lean_unsupported
 from gspo.models.logprobs import token_logprobs
-from gspo.models.moe import tiny_moe_config
 from gspo.models.packing import shared_prefix_logprobs
+from gspo.models.tiny import tiny_moe_config
 from gspo.rollout import pad_batch
 
 SIZES = dict(vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=3,

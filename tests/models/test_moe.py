@@ -16,8 +16,8 @@ from gspo.models.moe import (
     router_modules,
     routing_change,
     select_sequences,
-    tiny_moe_config,
 )
+from gspo.models.tiny import tiny_moe_config
 
 FAMILIES = sorted(SUPPORTED_MOE)
 NUM_LAYERS = 2

@@ -138,8 +138,7 @@ def test_routed_experts_need_model_runner_v2_which_vllm_cpu_lacks(tmp_path):
 
     from transformers import AutoModelForCausalLM
 
-    from gspo.models.moe import tiny_moe_config
-    from gspo.models.tiny import byte_tokenizer
+    from gspo.models.tiny import byte_tokenizer, tiny_moe_config
 
     tok = byte_tokenizer()
     cfg = tiny_moe_config("qwen3_moe", vocab_size=len(tok), hidden_size=64, num_heads=2,
