@@ -19,7 +19,17 @@ import time
 import pytest
 
 from gspo.rewards import sandbox
-from gspo.rewards.sandbox import STATUSES, SandboxResult, code_reward, extract_code, run_python
+from gspo.rewards.sandbox import (
+    STATUSES,
+    SandboxResult,
+    code_reward,
+    extract_code,
+    identity,
+    protocol,
+    run_python,
+    runner,
+)
+from gspo.rewards.sandbox.limits import _make_limits
 
 IS_ROOT = os.geteuid() == 0
 needs_root = pytest.mark.skipif(not IS_ROOT, reason="privilege drop to a sandbox uid needs root")
@@ -30,7 +40,7 @@ TRIVIAL = ["assert True"]
 # helpers
 # ------------------------------------------------------------------------------------------
 def _sandbox_uids() -> list[int]:
-    return [i.uid for i in sandbox._identities() if i.dedicated] if IS_ROOT else []
+    return [i.uid for i in identity._identities() if i.dedicated] if IS_ROOT else []
 
 
 def _leftover_processes() -> list[str]:
@@ -49,7 +59,7 @@ def _leftover_processes() -> list[str]:
         if ppid == me and state != b"Z":
             found.append(f"child {entry}")
     for uid in _sandbox_uids():
-        found += [f"uid {uid}: pid {pid}" for pid in sandbox._sandbox_processes(uid)]
+        found += [f"uid {uid}: pid {pid}" for pid in identity._sandbox_processes(uid)]
     return found
 
 
@@ -82,7 +92,7 @@ def hostile(code: str, **limits) -> SandboxResult:
 def kernel_only(code: str, tests=TRIVIAL, **limits) -> SandboxResult:
     """Run without the audit hook: only the process, identity, rlimit and namespace layers."""
     limits.setdefault("wall_timeout_s", 3.0)
-    r = sandbox._execute(code, tests, sandbox._make_limits(**limits), audit=False)
+    r = runner._execute(code, tests, _make_limits(**limits), audit=False)
     assert "audit" not in r.isolation
     return r
 
@@ -165,20 +175,20 @@ value = asyncio.run(work()) + Point(1, 2).x + Row(1).a
 
 
 def test_a_broken_sandbox_is_unscorable_not_zero(monkeypatch):
-    monkeypatch.setattr(sandbox, "_BOOTSTRAP", "import os\nos._exit(70)")  # setup fails
+    monkeypatch.setattr(runner, "_BOOTSTRAP", "import os\nos._exit(70)")  # setup fails
     r = run_python("x = 1", TRIVIAL)
     assert (r.passed, r.status, r.program_ran) == (False, "error", False)
     assert code_reward(["p"], ["x = 1"], tests=[TRIVIAL]) == [None]
-    monkeypatch.setattr(sandbox.sys, "executable", "/nonexistent/python")  # cannot even start
+    monkeypatch.setattr(runner.sys, "executable", "/nonexistent/python")  # cannot even start
     r = run_python("x = 1", TRIVIAL)
     assert (r.status, r.program_ran) == ("error", False) and "sandbox failure" in r.stderr_tail
 
 
 def test_result_channel_is_parsed_strictly():
     nonce, other = "a" * 32, "b" * 32
-    parse = sandbox._parse_result
+    parse = protocol._parse_result
     good = f"\n{nonce} setup uid,audit\n\n{nonce} result failed 1 2\n".encode()
-    assert parse(good, nonce, 2) == sandbox._Parsed(True, ("uid", "audit"), ("failed", 1))
+    assert parse(good, nonce, 2) == protocol._Parsed(True, ("uid", "audit"), ("failed", 1))
     assert parse(good, nonce, 3).outcome is None  # a different number of tests
     setup = f"{nonce} setup uid\n"
     for tampered in (f"{setup}junk\n{nonce} result ok 1 1",  # the program wrote to the pipe
@@ -258,13 +268,13 @@ if os.fork() == 0:
 os.wait()
 """
     seen: list[int] = []
-    real_kill_uid = sandbox._kill_uid
+    real_kill_uid = identity._kill_uid
 
     def spy(uid: int) -> None:
-        seen.extend(sandbox._sandbox_processes(uid))
+        seen.extend(identity._sandbox_processes(uid))
         real_kill_uid(uid)
 
-    monkeypatch.setattr(sandbox, "_kill_uid", spy)
+    monkeypatch.setattr(runner, "_kill_uid", spy)
     r = kernel_only(escape)
     assert r.passed  # nothing hostile is visible to the tests ...
     assert len(seen) == 1  # ... but the sleeper outlived its process group, and the sweep ...
