@@ -161,8 +161,8 @@ class Trainer:
         self.hooks: Any
         self.logprob_fn: Any
         self.lean = self.inference = False
-        self.optimizer: torch.optim.Optimizer
-        self.scheduler: Any
+        self.optimizer: Any = None  # torch.optim.AdamW once set up
+        self.scheduler: Any = None
         self.run_dir: Path
         self.reliability: Reliability
         self.logger: Any = None
@@ -639,9 +639,7 @@ class Trainer:
         if self.logger is not None:
             self.logger.close()
         # FSDP2 can abort at exit when the policy and optimizer outlive the process group.
-        self.engine = self.model = self.ref_model = None
-        for name in ("optimizer", "scheduler"):
-            self.__dict__.pop(name, None)
+        self.engine = self.model = self.ref_model = self.optimizer = self.scheduler = None
         distributed.shutdown(barrier=barrier)
 
     def resolved_config(self) -> dict[str, Any]:
