@@ -2,5 +2,7 @@
 
 from gspo.models.loading import DEFAULT_MODEL, ModelError, load_model, resolve_model
 from gspo.models.logprobs import token_logprobs
+from gspo.models.upcycle import UpcycleSpec, upcycle  # registers the upcycle: model source
 
-__all__ = ["DEFAULT_MODEL", "ModelError", "load_model", "resolve_model", "token_logprobs"]
+__all__ = ["DEFAULT_MODEL", "ModelError", "UpcycleSpec", "load_model", "resolve_model",
+           "token_logprobs", "upcycle"]

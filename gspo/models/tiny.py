@@ -41,6 +41,11 @@ def byte_tokenizer() -> Any:
 MOE_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "tiny_moe": ("qwen3_moe", {"hidden_size": 96, "num_layers": 4, "num_experts": 8, "top_k": 2,
                                "moe_intermediate_size": 96, "num_heads": 4, "num_kv_heads": 2}),
+    # deep_moe: the fine-grained deep testbed (configs/moe/deep_moe.yaml): 16 Qwen3-MoE layers of
+    # 32 small experts with top-4, closer in shape to the paper's 48 layers x 128 experts, top-8.
+    "deep_moe": ("qwen3_moe", {"hidden_size": 64, "num_layers": 16, "num_experts": 32,
+                               "top_k": 4, "moe_intermediate_size": 32, "num_heads": 4,
+                               "num_kv_heads": 2}),
 }
 
 
