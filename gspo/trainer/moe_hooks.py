@@ -19,6 +19,7 @@ the π_old pass: recorded routing indexes that layout, and only that pass record
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator, Mapping
 from types import MappingProxyType
 from typing import Any
@@ -28,6 +29,7 @@ import torch
 from gspo.config import ConfigError, MoEConfig
 from gspo.models.moe import (
     capture_routing,
+    expert_change,
     expert_set_changed,
     is_moe,
     load_balancing_loss,
@@ -40,6 +42,7 @@ from gspo.models.moe import (
 from gspo.rollout import EngineCapabilities
 
 _CHANGE = "moe/routing_change"
+_EXPERTS = "moe/expert_change"
 
 
 class PolicyHooks:
@@ -88,7 +91,10 @@ class MoEHooks(PolicyHooks):
         n_layers = len(router_modules(model))
         # Means over response tokens, except the loss, which is each rank's own (see metrics).
         self.stat_kinds = {_CHANGE: "tokens", "moe/load_balancing_loss": "rank",
-                           **{f"{_CHANGE}_layer{i}": "tokens" for i in range(n_layers)}}
+                           _EXPERTS: "tokens", "moe/router_entropy": "tokens",
+                           "moe/load_imbalance": "max",
+                           **{f"{_CHANGE}_layer{i}": "tokens" for i in range(n_layers)},
+                           **{f"{_EXPERTS}_layer{i}": "tokens" for i in range(n_layers)}}
 
     def capture_old(self, model: Any) -> contextlib.AbstractContextManager:
         return capture_routing(model)
@@ -134,7 +140,11 @@ class MoEHooks(PolicyHooks):
                    ) -> dict[str, torch.Tensor]:
         if out.get("natural") is None:
             return {}
-        return routing_change_stats(out["routing"], out["natural"], response_mask)
+        stats = routing_change_stats(out["routing"], out["natural"], response_mask)
+        rec = out.get("recorder")
+        if rec is not None and rec.logits:
+            stats.update(router_state_stats(rec.logits, out["natural"], response_mask))
+        return stats
 
     def step_metrics(self, stats: list[dict[str, torch.Tensor]]) -> dict[str, float]:
         """``moe/routing_change_after_update``: the routing change over the minibatches that run
@@ -142,8 +152,9 @@ class MoEHooks(PolicyHooks):
         measures 0)."""
         if len(stats) < 2 or _CHANGE not in stats[0]:
             return {}
-        return {f"{_CHANGE}_after_update": float(torch.stack(
-            [s[_CHANGE].detach().float() for s in stats[1:]]).mean())}
+        keys = [k for k in stats[0] if k.startswith((_CHANGE, _EXPERTS))]
+        return {f"{k}_after_update": float(torch.stack(
+            [s[k].detach().float() for s in stats[1:]]).mean()) for k in keys}
 
 
 def policy_hooks(model: Any, cfg: MoEConfig, caps: EngineCapabilities, *,
@@ -192,12 +203,40 @@ def moe_forward(model: Any, replay: list[torch.Tensor] | None, want_logits: bool
 
 def routing_change_stats(old: list[torch.Tensor], new: list[torch.Tensor],
                          token_mask: torch.Tensor) -> dict[str, torch.Tensor]:
-    """``moe/routing_change`` overall and per layer, over the response tokens."""
+    """Over the response tokens, overall and per layer: ``moe/routing_change`` (share of
+    (token, layer) whose expert set changed) and ``moe/expert_change`` (share of π_old's k
+    experts replaced, the paper's "experts that differ", arXiv:2507.18071 v2, Sec. 5.3)."""
     res = routing_change(old, new, token_mask.reshape(-1))
     stats = {_CHANGE: res["overall"].detach()}
     for i, v in enumerate(res["per_layer"]):
         stats[f"{_CHANGE}_layer{i}"] = v.detach()
+    experts = expert_change([o.cpu() for o in old], [n.cpu() for n in new],
+                            token_mask.reshape(-1).cpu())
+    stats[_EXPERTS] = experts.mean()
+    for i, v in enumerate(experts):
+        stats[f"{_EXPERTS}_layer{i}"] = v
     return stats
+
+
+def router_state_stats(logits: list[torch.Tensor], chosen: list[torch.Tensor],
+                       token_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The router's state over the response tokens, averaged over MoE layers:
+    ``moe/router_entropy``, the entropy of softmax(router logits) divided by log E (1: uniform,
+    0: one expert), and ``moe/load_imbalance``, max_e load_e / mean_e load_e over the routed
+    (token, slot) pairs (1: balanced, E/k: every token on the same k experts), from the experts the router picks (``chosen``)."""
+    w = token_mask.reshape(-1).detach().to("cpu", torch.float)
+    total = w.sum().clamp(min=1.0)
+    ent, imb = [], []
+    for z, idx in zip(logits, chosen, strict=True):
+        z = z.detach().to("cpu", torch.float)
+        logp = torch.log_softmax(z, dim=-1)
+        h = -(logp.exp() * logp).sum(-1) / max(math.log(z.shape[-1]), 1e-12)
+        ent.append((h * w).sum() / total)
+        load = torch.zeros(z.shape[-1]).index_add_(
+            0, idx.cpu().reshape(-1), w.repeat_interleave(idx.shape[-1]))
+        imb.append(load.max() / load.mean().clamp(min=1e-12))
+    return {"moe/router_entropy": torch.stack(ent).mean(),
+            "moe/load_imbalance": torch.stack(imb).mean()}
 
 
 def aux_loss(model: Any, live_logits: list[torch.Tensor], mask: torch.Tensor) -> torch.Tensor:

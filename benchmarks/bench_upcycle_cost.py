@@ -1,0 +1,93 @@
+"""Cost of one RL step of the default job: dense SmolLM2 vs its sparse upcycles.
+
+Each arm runs the default job (``gspo train`` defaults, HF engine, 4 minibatches) for a few
+steps in its own child process, arms alternating (A B B A ...). Reported per arm: the median
+wall time of the steps after the first (``time/step_s``) and the peak resident memory (VmHWM)
+of the child; the ratio to the dense arm is what issue 16 bounds (≤ 2.5×, ≤ 16 GB).
+
+    python -m benchmarks.bench_upcycle_cost                    # dense, e8k2, e4k2 (~10 min)
+    python -m benchmarks.bench_upcycle_cost --arms dense 'experts=8&top_k=2' --steps 3
+
+Writes benchmarks/results/upcycle_cost.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import abba, child_main, machine, median, run_child, write_result
+
+DENSE = "smollm2-135m-instruct"
+
+
+def model_name(arm: str) -> str:
+    return DENSE if arm == "dense" else f"upcycle:{DENSE}?{arm}"
+
+
+def run_arm(spec: dict[str, Any]) -> dict[str, Any]:
+    """Child: ``steps`` steps of the default job on ``spec['arm']``'s model; per-step times."""
+    import torch
+
+    from gspo.config import load_config
+    from gspo.trainer import Trainer
+
+    torch.set_num_threads(spec["threads"])
+    with tempfile.TemporaryDirectory() as out:
+        cfg = load_config(None, [f"model={model_name(spec['arm'])}", f"steps={spec['steps']}",
+                                 f"output_dir={out}", "run_name=bench", "eval_before=false",
+                                 "task.eval_size=0", "progress=false", "tensorboard=false",
+                                 f"num_threads={spec['threads']}", "logging.samples_every=0"])
+        Trainer(cfg).setup().train()
+        rows = [json.loads(x) for x in (Path(out) / "bench" / "metrics.jsonl").read_text()
+                .splitlines() if x.strip()]
+    steps = [r for r in rows if "time/update_s" in r]
+    return {"arm": spec["arm"],
+            "step_s": [sum(v for k, v in r.items() if k.startswith("time/")) for r in steps],
+            "update_s": [r.get("time/update_s") for r in steps],
+            "rollout_s": [r.get("time/rollout_s") for r in steps]}
+
+
+def main(argv: list[str]) -> None:
+    if child_main(argv, run_arm):
+        return
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arms", nargs="+", default=["dense", "experts=8&top_k=2",
+                                                   "experts=4&top_k=2"])
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args(argv)
+    runs: dict[str, list[dict[str, Any]]] = {a: [] for a in args.arms}
+    for arm in abba(args.arms, args.reps):
+        res = run_child("benchmarks.bench_upcycle_cost",
+                        {"arm": arm, "steps": args.steps, "threads": args.threads})
+        runs[arm].append(res)
+        print(f"{arm}: steps {[round(s, 1) for s in res['step_s']]} s, "
+              f"peak {res['peak_rss_mb'] / 1024:.2f} GiB", flush=True)
+    summary = {}
+    for arm, rs in runs.items():
+        later = [s for r in rs for s in r["step_s"][1:]] or [s for r in rs for s in r["step_s"]]
+        summary[arm] = {"model": model_name(arm), "step_s_median": median(later),
+                        "peak_rss_gib": max(r["peak_rss_mb"] for r in rs) / 1024}
+    base = summary.get("dense", {}).get("step_s_median")
+    rows = []
+    for arm, s in summary.items():
+        s["vs_dense"] = s["step_s_median"] / base if base else None
+        ratio = f"{s['vs_dense']:.2f}×" if s["vs_dense"] else "—"
+        rows.append(f"| `{s['model']}` | {s['step_s_median']:.1f} | {ratio} | "
+                    f"{s['peak_rss_gib']:.2f} |")
+    cmd = "python -m benchmarks.bench_upcycle_cost " + " ".join(argv)
+    header = (f"# RL step of the default job: dense vs upcycled SmolLM2\n\n`{cmd}` "
+              f"({args.threads} thread(s), {args.steps} steps per arm, median of steps after "
+              "the first)\n\n| model | step s | vs dense | peak RSS GiB |\n|---|---|---|---|")
+    write_result("upcycle_cost", {"machine": machine(), "args": vars(args), "runs": runs,
+                                  "summary": summary}, header, rows)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
