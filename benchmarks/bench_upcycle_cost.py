@@ -76,7 +76,7 @@ def main(argv: list[str]) -> None:
                         "peak_rss_gib": max(r["peak_rss_mb"] for r in rs) / 1024}
     base = summary.get("dense", {}).get("step_s_median")
     rows = []
-    for arm, s in summary.items():
+    for s in summary.values():
         s["vs_dense"] = s["step_s_median"] / base if base else None
         ratio = f"{s['vs_dense']:.2f}×" if s["vs_dense"] else "—"
         rows.append(f"| `{s['model']}` | {s['step_s_median']:.1f} | {ratio} | "

@@ -53,6 +53,12 @@ PANELS: list[tuple[str, str, list[tuple[str, str, str]]]] = [
         ("moe/routing_change", "Expert choices that changed since the rollout policy",
          "fraction"),
         ("moe/load_balancing_loss", "Router load-balancing loss", "loss"),
+        ("moe/router_entropy", "Router entropy / log E (1: uniform)", "entropy"),
+        ("moe/load_imbalance", "Expert load: busiest / mean (1: balanced)", "ratio"),
+    ]),
+    ("routing_volatility", "MoE routing volatility: experts replaced after one update", [
+        ("moe/expert_change_after_update", "All MoE layers", "fraction of experts"),
+        ("moe/expert_change_layer{}_after_update", "MoE layer {}", "fraction of experts"),
     ]),
 ]
 # reward/* keys that are statistics of the total reward, not a reward function.
@@ -84,9 +90,12 @@ def _expand(specs: list[tuple[str, str, str]], runs: dict[str, list[dict[str, An
     out = []
     for key, title, ylabel in specs:
         if "{}" in key:
-            prefix = key.split("{}")[0]
-            extra = sorted(k[len(prefix):] for k in logged if k.startswith(prefix)
-                           and k[len(prefix):] not in _REWARD_STATS and "/" not in k[len(prefix):])
+            prefix, suffix = key.split("{}")
+            names = {k[len(prefix):len(k) - len(suffix)] for k in logged
+                     if k.startswith(prefix) and k.endswith(suffix)
+                     and len(k) > len(prefix) + len(suffix)}
+            extra = sorted((n for n in names if n not in _REWARD_STATS and "/" not in n),
+                           key=lambda n: (0, int(n), "") if n.isdigit() else (1, 0, n))
             out += [(key.format(n), title.format(n), ylabel) for n in extra]
         elif key in logged:
             out.append((key, title, ylabel))

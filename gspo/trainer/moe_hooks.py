@@ -223,7 +223,8 @@ def router_state_stats(logits: list[torch.Tensor], chosen: list[torch.Tensor],
     """The router's state over the response tokens, averaged over MoE layers:
     ``moe/router_entropy``, the entropy of softmax(router logits) divided by log E (1: uniform,
     0: one expert), and ``moe/load_imbalance``, max_e load_e / mean_e load_e over the routed
-    (token, slot) pairs (1: balanced, E/k: every token on the same k experts), from the experts the router picks (``chosen``)."""
+    (token, slot) pairs of the experts the router picks (``chosen``) (1: balanced, E/k: every
+    token on the same k experts)."""
     w = token_mask.reshape(-1).detach().to("cpu", torch.float)
     total = w.sum().clamp(min=1.0)
     ent, imb = [], []

@@ -62,3 +62,20 @@ def test_cli_plot(tmp_path, capsys):
     assert [p.rsplit("/", 1)[1] for p in printed] == ["reward.png", "entropy.png"]
     assert main(["plot", str(tmp_path / "missing")]) == 2
     assert "no metrics.jsonl" in capsys.readouterr().err
+
+
+def test_volatility_panel_has_one_subplot_per_layer_in_layer_order(tmp_path):
+    from gspo.analysis.plot import PANELS, _expand
+
+    rows = [{"step": 1, "moe/expert_change_after_update": 0.1,
+             **{f"moe/expert_change_layer{i}_after_update": 0.01 * i for i in (0, 2, 10)},
+             "moe/expert_change_layer3": 0.5}]  # not an after-update key: not in this panel
+    specs = dict((stem, panels) for stem, _, panels in PANELS)["routing_volatility"]
+    keys = [k for k, _, _ in _expand(specs, {"run": rows})]
+    assert keys == ["moe/expert_change_after_update", "moe/expert_change_layer0_after_update",
+                    "moe/expert_change_layer2_after_update",
+                    "moe/expert_change_layer10_after_update"]
+    run = tmp_path / "moe"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps(rows[0]) + "\n")
+    assert [p.stem for p in plot_runs([run], tmp_path / "plots")] == ["routing_volatility"]

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from gspo.trainer.moe_hooks import routing_change_stats, router_state_stats
+from gspo.trainer.moe_hooks import router_state_stats, routing_change_stats
 
 
 def test_uniform_router_balanced_load():
