@@ -106,7 +106,8 @@ def plot_compare(summary: dict[str, Any], runs: dict[str, dict[int, Path]],
     figures = list(FIGURES)
     first = next(iter(next(iter(runs.values())).values()))
     logged = {k for row in read_metrics(first) for k in row}
-    layers = sorted((k for k in logged if k.startswith("moe/routing_change_layer")),
+    layers = sorted((k for k in logged if k.startswith("moe/routing_change_layer")
+                     and k.removeprefix("moe/routing_change_layer").isdigit()),
                     key=lambda k: int(k.removeprefix("moe/routing_change_layer")))
     if layers:
         figures.append(("routing", "MoE routing change since π_old, per layer", [
