@@ -109,8 +109,32 @@ class ObjectiveConfig:
     epochs: int = _f(1, "passes over each rollout batch")
     old_logprobs: Literal["recompute", "rollout"] = _f(
         "recompute", "π_old log-probs: recomputed by the trainer in fp32, or the rollout's own")
-    aggregation: Literal["sequence", "token"] = _f(
-        "sequence", "GSPO aggregation; 'token' is length-weighted (not the paper's, warns)")
+    aggregation: Literal["sequence", "token", "constant"] = _f(
+        "sequence", "how the loss averages its terms: 'sequence' (token mean per response, then "
+        "mean over responses), 'token' (over all tokens; length-weighted, warns for gspo) or "
+        "'constant' (token sum / objective.norm_constant per response: Dr. GRPO; token losses)")
+    norm_constant: float = _f(
+        0.0, "aggregation=constant: the constant C of Dr. GRPO's normaliser Σ_t / C, e.g. "
+        "rollout.max_new_tokens (arXiv:2503.20783 §3.1)")
+    tau_pos: float = _f(1.0, "sapo: gate temperature for positive advantages (paper: 1.0)")
+    tau_neg: float = _f(1.05, "sapo: gate temperature for negative advantages (paper: 1.05)")
+    tv_delta_low: float = _f(
+        0.15, "dppo_tv: trust region on the probability drop π − π_old ≥ −δ for Â < 0 (0.15)")
+    tv_delta_high: float = _f(
+        0.15, "dppo_tv: trust region on the probability rise π − π_old ≤ δ for Â > 0 (0.15)")
+    kl_delta_low: float = _f(
+        0.05, "dppo_kl: binary-KL threshold for tokens whose probability fell, Â < 0 (0.05)")
+    kl_delta_high: float = _f(
+        0.05, "dppo_kl: binary-KL threshold for tokens whose probability rose, Â > 0 (0.05)")
+    ratio_cap: float = _f(
+        20.0, "dppo_tv/dppo_kl: truncated importance weight min(w, cap) (verl's clip_ratio_c)")
+    clip_cov_ratio: float = _f(
+        2e-4, "clip_cov: share of response tokens whose gradient is detached (paper: 2e-4)")
+    clip_cov_lb: float = _f(1.0, "clip_cov: lower covariance bound of the candidates (1.0)")
+    clip_cov_ub: float = _f(5.0, "clip_cov: upper covariance bound of the candidates (5.0)")
+    kl_cov_ratio: float = _f(
+        2e-4, "kl_cov: share of response tokens (largest covariance) given the KL penalty")
+    kl_cov_coef: float = _f(1.0, "kl_cov: coefficient of the |log w| penalty (paper: 1.0)")
 
 
 @dataclass
@@ -389,6 +413,11 @@ def validate(cfg: TrainConfig) -> None:
     _check(o.eps_low < 1, "objective.eps_low must be < 1")
     _check(o.beta >= 0, "objective.beta must be >= 0")
     _check(o.epochs >= 1, "objective.epochs must be >= 1")
+    _check(o.aggregation != "constant" or 0 < o.norm_constant < float("inf"),
+           "objective.aggregation=constant needs objective.norm_constant > 0 (Dr. GRPO: the "
+           "generation budget, e.g. rollout.max_new_tokens)")
+    _check(o.aggregation == "constant" or o.norm_constant == 0,
+           "objective.norm_constant is only used with objective.aggregation=constant")
     n_rollouts = r.group_size * r.prompts_per_step
     _check(1 <= o.num_minibatches <= n_rollouts,
            f"objective.num_minibatches must be in [1, {n_rollouts}] (the rollout batch size)")

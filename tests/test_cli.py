@@ -57,10 +57,10 @@ def test_wrong_type(capsys, tmp_path):
 
 @pytest.mark.parametrize("cmd", ["train", "validate"])
 def test_option_the_objective_does_not_take(capsys, tmp_path, cmd):
-    """objective.aggregation is GSPO's: set for GRPO it is an error, never silently ignored."""
-    line = fail(capsys, tmp_path, TINY, "objective.name=grpo", "objective.aggregation=token",
+    """CISPO takes no objective.aggregation: set, it is an error, never silently ignored."""
+    line = fail(capsys, tmp_path, TINY, "objective.name=cispo", "objective.aggregation=token",
                 cmd=cmd)
-    assert "objective.aggregation" in line and "'grpo'" in line
+    assert "objective.aggregation" in line and "'cispo'" in line
 
 
 def test_group_size_one(capsys, tmp_path):

@@ -23,7 +23,13 @@ from torch import Tensor
 
 from gspo.objectives.registry import ADVANTAGES
 
-__all__ = ["SCALES", "group_stats", "grpo_advantages", "rloo_advantages"]
+__all__ = [
+    "SCALES",
+    "group_stats",
+    "grpo_advantages",
+    "reinforce_pp_baseline_advantages",
+    "rloo_advantages",
+]
 
 SCALES = ("group", "batch", "none")
 
@@ -123,6 +129,41 @@ def rloo_advantages(
     n, _, centred, std = _group_moments(r, scorable)
     loo = centred * (n / (n - 1).clamp(min=1))[:, None]
     adv = _scaled(loo, r, scorable, std, scale, eps)
+    keep = scorable & _has_signal(r, scorable, n)[:, None]
+    return torch.where(keep, adv, 0.0).reshape(-1)
+
+
+@ADVANTAGES.register("reinforce_pp_baseline")
+def reinforce_pp_baseline_advantages(
+    rewards: Tensor, group_size: int, *, scale: str = "batch", eps: float = 1e-6
+) -> Tensor:
+    """REINFORCE++ with the group-mean baseline ("REINFORCE++-baseline"), arXiv:2501.03262,
+    the baseline variant: subtract the group mean, then normalise over the global batch.
+
+    A_i = r_i − mean_group(r); with ``scale="batch"`` (the paper's) the advantages are
+    whitened over the batch, Â_i = (A_i − mean_batch A) / (std_batch A + eps), with mean and
+    population std over every scorable row of the batch (rows of groups without signal
+    included, their A_i being 0). This differs from ``grpo`` with ``scale="batch"``, which
+    divides by the std of the raw rewards. ``"group"`` divides by the group std instead
+    (then equal to ``grpo``), ``"none"`` returns A_i. The paper's implementation whitens
+    over tokens (each row weighted by its length); this call contract sees rewards only, so
+    the batch statistics here weight every response once. Groups without signal get 0.
+
+    Args:
+        rewards: [N] rewards (NaN = unscorable).
+        group_size: K responses per prompt; N must be a multiple of K.
+    Returns:
+        [N] advantages, constant (no grad).
+    """
+    r, scorable = _grouped(rewards, group_size)
+    n, _, centred, std = _group_moments(r, scorable)
+    if scale == "batch":
+        count = scorable.sum().clamp(min=1)
+        mean = centred.sum() / count
+        dev = torch.where(scorable, centred - mean, 0.0)
+        adv = dev / ((dev**2).sum() / count).sqrt().add(eps)
+    else:
+        adv = _scaled(centred, r, scorable, std, scale, eps)
     keep = scorable & _has_signal(r, scorable, n)[:, None]
     return torch.where(keep, adv, 0.0).reshape(-1)
 

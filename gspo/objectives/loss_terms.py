@@ -13,17 +13,21 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "AGGREGATIONS",
     "LOG_RATIO_CLAMP",
     "LossBatch",
     "aggregate",
+    "check_aggregation",
     "clip_masks",
     "clipped_surrogate",
     "exp_clamped",
     "finish",
     "prepare",
+    "reduce_tokens",
     "seq_advantages",
     "token_advantages",
     "token_mean",
+    "token_share",
 ]
 
 LOG_RATIO_CLAMP = 20.0
@@ -85,6 +89,46 @@ def exp_clamped(log_x: Tensor) -> Tensor:
 def token_mean(x: Tensor, b: LossBatch) -> Tensor:
     """[B, T] -> [B]: (1/|y_i|) Σ_t x_it over mask tokens (0 for empty rows)."""
     return torch.where(b.mask, x, 0.0).sum(-1) / b.lengths.clamp(min=1)
+
+
+AGGREGATIONS = ("sequence", "token", "constant")
+"""How a token-level loss reduces its per-token terms x_it (see :func:`reduce_tokens`)."""
+
+
+def check_aggregation(aggregation: str, norm_constant: float) -> None:
+    """Raise ``ValueError`` for an unknown ``aggregation``, for ``"constant"`` without a
+    ``norm_constant > 0``, or for a ``norm_constant`` that another aggregation would ignore."""
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
+    if aggregation == "constant" and not 0 < norm_constant < float("inf"):
+        raise ValueError("aggregation='constant' needs norm_constant > 0 (Dr. GRPO: the "
+                         f"generation budget, rollout.max_new_tokens), got {norm_constant!r}")
+    if aggregation != "constant" and norm_constant != 0:
+        raise ValueError(f"norm_constant={norm_constant!r} is only used with "
+                         f"aggregation='constant' (got aggregation={aggregation!r})")
+
+
+def reduce_tokens(x: Tensor, b: LossBatch, aggregation: str,
+                  norm_constant: float) -> tuple[Tensor, Tensor | None]:
+    """Per-token terms x_it [B, T] -> (per-row term [B], row weights [B] or None = 1 per valid
+    row) such that :func:`aggregate` gives the loss:
+
+    * ``"sequence"``: (1/|valid|) Σ_i (1/|y_i|) Σ_t x_it (GRPO, arXiv:2402.03300; default);
+    * ``"token"``: Σ_i Σ_t x_it / Σ_i |y_i| (DAPO, arXiv:2503.14476, §3.3);
+    * ``"constant"``: (1/|valid|) Σ_i Σ_t x_it / C with C = ``norm_constant`` (Dr. GRPO,
+      arXiv:2503.20783, §3.1: the 1/|o_i| of GRPO replaced by a constant, the generation
+      budget). Dr. GRPO's mean runs over all rows; here, as everywhere, over valid rows.
+    """
+    check_aggregation(aggregation, norm_constant)
+    if aggregation == "constant":
+        return torch.where(b.mask, x, 0.0).sum(-1) / norm_constant, None
+    return token_mean(x, b), (b.lengths if aggregation == "token" else None)
+
+
+def token_share(flags: Tensor, b: LossBatch) -> Tensor:
+    """Fraction (detached, float32) of response tokens where ``flags`` [B, T] holds."""
+    on = flags.detach() & b.mask
+    return (on.sum() / b.mask.sum().clamp(min=1)).to(torch.float32)
 
 
 def aggregate(v: Tensor, weight: Tensor) -> Tensor:

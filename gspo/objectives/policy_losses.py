@@ -44,11 +44,13 @@ from torch import Tensor
 
 from gspo.objectives.loss_terms import (
     LOG_RATIO_CLAMP,
+    check_aggregation,
     clip_masks,
     clipped_surrogate,
     exp_clamped,
     finish,
     prepare,
+    reduce_tokens,
     seq_advantages,
     token_advantages,
     token_mean,
@@ -60,6 +62,7 @@ __all__ = [
     "STAT_KEYS",
     "STAT_KINDS",
     "STAT_KIND_NAMES",
+    "aggregation_row_weights",
     "cispo_loss",
     "gmpo_loss",
     "grpo_loss",
@@ -134,6 +137,15 @@ def valid_row_weights(mask: Tensor, options: Mapping[str, Any]) -> Tensor:
     """w_i = 1 for each row with a response token, else 0 [N] float32: the plain mean over
     valid rows, the rule of every loss that registers no other (``options`` are unused)."""
     return (response_lengths(mask) > 0).float()
+
+
+def aggregation_row_weights(mask: Tensor, options: Mapping[str, Any]) -> Tensor:
+    """w_i of a token-level loss reduced by :func:`gspo.objectives.loss_terms.reduce_tokens`:
+    |y_i| with ``aggregation="token"``, else 1 per valid row (``"sequence"``, ``"constant"``)."""
+    check_aggregation(options["aggregation"], options["norm_constant"])
+    if options["aggregation"] == "token":
+        return response_lengths(mask)
+    return valid_row_weights(mask, options)
 
 
 # --------------------------------------------------------------------------- losses
@@ -238,6 +250,8 @@ def grpo_loss(
     eps_high: float,
     beta: float = 0.0,
     ref_logprobs: Tensor | None = None,
+    aggregation: str = "sequence",
+    norm_constant: float = 0.0,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GRPO loss as written in arXiv:2507.18071 v2, Eq. (2)-(3).
 
@@ -247,16 +261,24 @@ def grpo_loss(
     (1/|y_i|), then mean over valid rows. Shapes: logprobs/old_logprobs/mask [B, T],
     advantages [B] (Â_it = Â_i, broadcast) or [B, T]. Stop-gradient: old_logprobs,
     advantages. A sequence counts as clipped-low/high if any of its tokens is.
+
+    Options:
+        aggregation, norm_constant: how per-token terms are reduced (see
+            :func:`gspo.objectives.loss_terms.reduce_tokens`): ``"sequence"`` (default, the
+            Eq. (2) above), ``"token"`` (DAPO) or ``"constant"`` with ``norm_constant`` C
+            (Dr. GRPO, arXiv:2503.20783, §3.1; use it with ``scale_rewards=none``).
     """
     b = prepare(logprobs, old_logprobs, mask, eps_low, eps_high, beta, ref_logprobs)
     adv = token_advantages(advantages, b)  # Â_it [B, T]
     w = exp_clamped(b.log_ratio)  # w_it [B, T]
-    term = token_mean(clipped_surrogate(w, adv, eps_low, eps_high), b)
+    term, weight = reduce_tokens(clipped_surrogate(w, adv, eps_low, eps_high), b, aggregation,
+                                 norm_constant)
     high, low = clip_masks(w, adv, 1.0 - eps_low, 1.0 + eps_high)
-    return finish(term, b, adv_row=token_mean(adv, b), high=high, low=low, beta=beta)
+    return finish(term, b, adv_row=token_mean(adv, b), high=high, low=low, beta=beta,
+                  weight=weight)
 
 
-ROW_WEIGHTS.register("grpo")(valid_row_weights)
+ROW_WEIGHTS.register("grpo")(aggregation_row_weights)
 
 
 @OBJECTIVES.register("cispo")

@@ -4,17 +4,23 @@
   (``gspo``, ``gspo_token``, ``grpo``, ... are registered by
   :mod:`gspo.objectives.policy_losses`).
 * ``ADVANTAGES``: advantage estimators with the signature of :class:`AdvantageFn`
-  (``grpo``, ``rloo`` are registered by :mod:`gspo.objectives.advantages`).
+  (``grpo``, ``rloo``, ``reinforce_pp_baseline`` are registered by
+  :mod:`gspo.objectives.advantages`).
 * ``ROW_WEIGHTS``: per objective name, the rule (a :class:`RowWeightFn`) for the weights w_i
   of that loss's mean over rows, registered beside the loss; an objective without one
   weights every valid row by 1 (:func:`gspo.objectives.policy_losses.valid_row_weights`).
 
-All three are :class:`gspo.registry.Registry` instances.
+* ``EXTRA_STAT_KINDS``: per objective name, a zero-argument callable returning the reduction
+  kinds of the stats that loss returns beyond the shared
+  :data:`gspo.objectives.policy_losses.STAT_KINDS` (e.g. SAPO's gate weight), registered beside
+  the loss; :attr:`gspo.objectives.Objective.stat_kinds` merges them.
+
+All four are :class:`gspo.registry.Registry` instances.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from torch import Tensor
@@ -23,6 +29,7 @@ from gspo.registry import Registry, UnknownNameError
 
 __all__ = [
     "ADVANTAGES",
+    "EXTRA_STAT_KINDS",
     "OBJECTIVES",
     "ROW_WEIGHTS",
     "AdvantageFn",
@@ -76,3 +83,4 @@ class RowWeightFn(Protocol):
 OBJECTIVES: Registry[PolicyLossFn] = Registry("objective")
 ADVANTAGES: Registry[AdvantageFn] = Registry("advantage estimator")
 ROW_WEIGHTS: Registry[RowWeightFn] = Registry("row-weight rule")
+EXTRA_STAT_KINDS: Registry[Callable[[], Mapping[str, str]]] = Registry("stat-kind table")

@@ -23,7 +23,7 @@ from torch import Tensor
 from gspo.config import ConfigError, ObjectiveConfig
 from gspo.objectives.loss_terms import LOG_RATIO_CLAMP
 from gspo.objectives.policy_losses import STAT_KINDS, valid_row_weights
-from gspo.objectives.registry import OBJECTIVES, ROW_WEIGHTS, PolicyLossFn
+from gspo.objectives.registry import EXTRA_STAT_KINDS, OBJECTIVES, ROW_WEIGHTS, PolicyLossFn
 
 __all__ = ["TRAINER_FIELDS", "Objective", "bind_objective", "loss_options", "token_ratio_mean"]
 
@@ -93,8 +93,10 @@ class Objective:
 
     @property
     def stat_kinds(self) -> Mapping[str, str]:
-        """Reduction kind of every stat key :meth:`loss` can return (see ``STAT_KINDS``)."""
-        return MappingProxyType(STAT_KINDS)
+        """Reduction kind of every stat key :meth:`loss` can return (see ``STAT_KINDS``),
+        with the loss's own extra stats (``EXTRA_STAT_KINDS``) where it declares any."""
+        extra = EXTRA_STAT_KINDS.get(self.name, None)
+        return MappingProxyType(STAT_KINDS if extra is None else {**STAT_KINDS, **extra()})
 
     def loss(self, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
              *, ref_logprobs: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:

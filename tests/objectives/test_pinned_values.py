@@ -14,7 +14,7 @@ import warnings
 import pytest
 import torch
 
-from gspo.objectives import OBJECTIVES, Objective
+from gspo.objectives import OBJECTIVES, Objective, loss_options
 
 F64 = torch.float64
 SEED = 20240611
@@ -42,7 +42,8 @@ def measure(name: str, options: dict[str, str]) -> dict[str, float]:
     """Loss, Σ|∂loss/∂logprobs| and a few stats of ``name`` on :func:`pinned_case`."""
     lp, old, adv, mask, ref = pinned_case()
     lp.requires_grad_(True)
-    objective = Objective(name, {**KW, **options})
+    takes = loss_options(name)  # losses without a ratio clip take no eps_low/eps_high
+    objective = Objective(name, {**{k: v for k, v in KW.items() if k in takes}, **options})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # gspo aggregation='token' warns
         loss, stats = objective.loss(lp, old, adv, mask, ref_logprobs=ref)
@@ -74,6 +75,31 @@ PINNED: dict[tuple[str, str], dict[str, float]] = {
     ("gspo_token", ""): {"loss": 0.58630075396033, "grad_abs_sum": 1.1734330189822542,
                          "policy_loss": 0.583444356918335, "clip_frac_tokens": 0.0416666679084301,
                          "clip_frac_seqs": 0.20000000298023224, **_COMMON},
+    # the family of gspo.objectives.family, pinned on the code that added it
+    ("clip_cov", ""): {**_COMMON,
+        "loss": 0.6094960151892465, "grad_abs_sum": 1.1236901032902673,
+        "policy_loss": 0.6066396236419678, "clip_frac_tokens": 0.0833333358168602,
+        "clip_frac_seqs": 0.4000000059604645},
+    ("dppo_kl", ""): {**_COMMON,
+        "loss": 0.5932062451756418, "grad_abs_sum": 1.2995894742134175,
+        "policy_loss": 0.5903498530387878, "clip_frac_tokens": 0.0, "clip_frac_seqs": 0.0},
+    ("dppo_tv", ""): {**_COMMON,
+        "loss": 0.5932062451756418, "grad_abs_sum": 1.2995894742134175,
+        "policy_loss": 0.5903498530387878, "clip_frac_tokens": 0.0, "clip_frac_seqs": 0.0},
+    ("gpg", ""): {**_COMMON,
+        "loss": -0.4817379261247419, "grad_abs_sum": 1.6412970436729355,
+        "policy_loss": -0.48448553681373596, "kl_ref": 0.054952312260866165,
+        "clip_frac_tokens": 0.0, "clip_frac_seqs": 0.0},
+    ("kl_cov", ""): {**_COMMON,
+        "loss": 0.5972186292311683, "grad_abs_sum": 1.3245894742134177,
+        "policy_loss": 0.594362199306488, "clip_frac_tokens": 0.0, "clip_frac_seqs": 0.0},
+    ("luspo", ""): {**_COMMON,
+        "loss": 2.9814553854680628, "grad_abs_sum": 7.7622164672259055,
+        "policy_loss": 2.9785990715026855, "clip_frac_tokens": 0.0416666679084301,
+        "clip_frac_seqs": 0.20000000298023224},
+    ("sapo", ""): {**_COMMON,
+        "loss": 1.066490993888024, "grad_abs_sum": 1.2814728722911752,
+        "policy_loss": 1.0636345148086548, "clip_frac_tokens": 0.0, "clip_frac_seqs": 0.0},
 }
 
 
@@ -93,5 +119,6 @@ def test_pinned_values(name, aggregation):
 
 
 if __name__ == "__main__":
-    for name, aggregation in sorted(PINNED):
+    for name, aggregation in sorted(PINNED) + [(n, "") for n in OBJECTIVES
+                                                 if (n, "") not in PINNED]:
         print((name, aggregation), measure(name, _options(aggregation)))
