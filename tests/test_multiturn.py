@@ -185,3 +185,34 @@ def test_trainer_runs_two_turn_episodes(tmp_path):
     assert step["rollout/logprob_gap_abs_max"] < 3e-5  # π_old saw the sampler's tokens
     assert step["rollout/model_tokens_mean"] <= 2 * 5
     assert out["after"]["n"] == 4  # evaluation ran the same two-turn loop, greedily
+
+
+def test_openenv_adapter_drives_an_in_process_environment():
+    """A real openenv-core Environment subclass (skipped where openenv-core is not installed)."""
+    types = pytest.importorskip("openenv.core.env_server.types")
+    interfaces = pytest.importorskip("openenv.core.env_server.interfaces")
+    from gspo.rollout.openenv_adapter import OpenEnvAdapter
+
+    class Say(types.Action):
+        text: str
+
+    class Heard(types.Observation):
+        text: str = ""
+
+    class Echo(interfaces.Environment):
+        def reset(self, seed=None, episode_id=None, **kw):
+            self.n = 0
+            return Heard()
+
+        def step(self, action, timeout_s=None, **kw):
+            self.n += 1
+            return Heard(text=f"heard {action.text}", done=self.n >= 2)
+
+        @property
+        def state(self):
+            return types.State(step_count=self.n)
+
+    env = OpenEnvAdapter(Echo(), action=lambda t: Say(text=t), observe=lambda o: o.text)
+    env.reset("q")
+    assert env.step("hi") == Step("heard hi")
+    assert env.step("again").done
