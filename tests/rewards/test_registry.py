@@ -15,7 +15,8 @@ from gspo.rewards import (
     resolve_reward,
 )
 
-BUILTIN = ["boxed_format", "code", "countdown", "math_verify", "numeric_match"]
+BUILTIN = ["boxed_format", "code", "countdown", "final_numeric_match", "math_verify",
+           "numeric_match"]
 
 
 @pytest.fixture
