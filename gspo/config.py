@@ -94,6 +94,12 @@ class RolloutConfig:
         0.3, "engine=vllm: share of the device's memory (CPU backend: of RAM) vLLM reserves "
         "for weights and KV cache; training shares the device")
     eval_max_new_tokens: int = _f(24, "response cap for greedy evaluation")
+    max_turns: int = _f(
+        1, "policy turns per episode (1: single-turn); > 1 needs rollout.env, each turn capped "
+        "at max_new_tokens (eval: eval_max_new_tokens)")
+    env: str = _f(
+        "", "rollout.max_turns > 1: environment answering each turn: 'python' (runs the turn's "
+        "```python block in the sandbox) or 'module:Class' (see gspo.rollout.envs)")
 
 
 @dataclass
@@ -409,6 +415,14 @@ def validate(cfg: TrainConfig) -> None:
     _check(r.top_k >= 0, "rollout.top_k must be >= 0")
     _check(r.engine in ("hf", "vllm"), f"rollout.engine: unknown engine '{r.engine}'")
     _check(0 < r.vllm_memory_fraction <= 1, "rollout.vllm_memory_fraction must be in (0, 1]")
+    _check(r.max_turns >= 1, "rollout.max_turns must be >= 1")
+    _check((r.max_turns > 1) == bool(r.env),
+           "rollout.env and rollout.max_turns > 1 go together (an environment answers the turns)")
+    _check(r.max_turns == 1 or cfg.moe.routing_replay != "r3",
+           "moe.routing_replay=r3 records single-turn rollouts only; use r2 with max_turns > 1")
+    _check(r.max_turns == 1 or cfg.reward.overlong_buffer == 0,
+           "reward.overlong_buffer counts tokens of one turn; it is not supported with "
+           "rollout.max_turns > 1")
     _check(o.eps_low >= 0 and o.eps_high >= 0, "objective.eps_low/eps_high must be >= 0")
     _check(o.eps_low < 1, "objective.eps_low must be < 1")
     _check(o.beta >= 0, "objective.beta must be >= 0")

@@ -12,12 +12,14 @@ from gspo.rewards.functions import (
     resolve_reward,
 )
 from gspo.rewards.scoring import RewardError, RewardScorer
+from gspo.rewards.transcript import final_numeric_match  # registers final_numeric_match
 
 __all__ = [
     "REWARDS",
     "RewardError",
     "RewardScorer",
     "RewardSpecError",
+    "final_numeric_match",
     "numeric_match",
     "register_reward",
     "resolve_reward",

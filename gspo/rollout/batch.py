@@ -29,6 +29,7 @@ class Rollout:
     group_size: int
     routing: list[torch.Tensor] | None = None  # per MoE layer [N * T, k], pad_batch layout (R3)
     extras: dict[str, float] = field(default_factory=dict)
+    model_mask: list[list[bool]] | None = None  # multi-turn: True on sampled response tokens
 
     def __len__(self) -> int:
         return len(self.response_ids)
@@ -42,12 +43,18 @@ class Rollout:
                        for r in self.routing]
         return Rollout([self.prompt_ids[i] for i in idx], [self.response_ids[i] for i in idx],
                        [self.logprobs[i] for i in idx], [self.truncated[i] for i in idx],
-                       self.group_size, routing)
+                       self.group_size, routing,
+                       model_mask=(None if self.model_mask is None
+                                   else [self.model_mask[i] for i in idx]))
 
 
 def pad_batch(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int,
-              logprobs: list[torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+              logprobs: list[torch.Tensor] | None = None,
+              model_mask: list[list[bool]] | None = None) -> dict[str, torch.Tensor]:
     """Right-padded ``input_ids``, ``attention_mask``, ``response_mask`` (and ``old_logprobs``).
+
+    ``model_mask`` (see :class:`Rollout`): ``response_mask`` is 1 only on the response tokens
+    the policy sampled, so observation tokens are fed to the model but never scored.
 
     Right padding keeps every real token at the same position id as in an unpadded pass, which
     is what keeps trainer and sampler log-probs equal to fp32 rounding.
@@ -61,7 +68,8 @@ def pad_batch(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id
     for i, (p, r) in enumerate(zip(prompt_ids, response_ids)):
         input_ids[i, : len(p) + len(r)] = torch.tensor(p + r, dtype=torch.long)
         attention_mask[i, : len(p) + len(r)] = 1
-        response_mask[i, len(p): len(p) + len(r)] = 1.0
+        response_mask[i, len(p): len(p) + len(r)] = (
+            1.0 if model_mask is None else torch.tensor(model_mask[i], dtype=torch.float32))
         if logprobs is not None and len(r):
             old[i, len(p): len(p) + len(r)] = logprobs[i]
     out = {"input_ids": input_ids, "attention_mask": attention_mask, "response_mask": response_mask}

@@ -8,13 +8,16 @@ import torch
 
 from gspo.data import format_prompt
 from gspo.rollout import greedy_generate
+from gspo.rollout.multiturn import TurnLoop, greedy_sampler
 
 
 @torch.no_grad()
 def evaluate(model: Any, tokenizer: Any, examples: list[Any], scorer: Any, *,
              chat_template: bool, system_prompt: str, max_new_tokens: int, eos: list[int],
-             pad_id: int, batch_size: int = 32, fast_decode: bool = True) -> dict[str, float]:
-    """Greedy responses scored by the run's reward functions.
+             pad_id: int, batch_size: int = 32, fast_decode: bool = True,
+             turns: TurnLoop | None = None) -> dict[str, float]:
+    """Greedy responses scored by the run's reward functions (``turns``: greedy episodes of
+    the run's multi-turn loop, scored on the whole transcript).
 
     ``accuracy`` is the share of prompts given full marks (reward equal to the sum of the reward
     weights); ``reward_mean`` the mean reward; unscorable responses count as wrong.
@@ -25,8 +28,13 @@ def evaluate(model: Any, tokenizer: Any, examples: list[Any], scorer: Any, *,
         chunk = examples[start:start + batch_size]
         prompts = [format_prompt(tokenizer, ex.prompt, chat_template=chat_template,
                                  system_prompt=system_prompt) for ex in chunk]
-        out = greedy_generate(model, prompts, max_new_tokens=max_new_tokens, eos=eos,
-                              pad_id=pad_id, fast_decode=fast_decode)
+        if turns is None:
+            out = greedy_generate(model, prompts, max_new_tokens=max_new_tokens, eos=eos,
+                                  pad_id=pad_id, fast_decode=fast_decode)
+        else:
+            sample = greedy_sampler(model, max_new_tokens=max_new_tokens, eos=eos,
+                                    pad_id=pad_id, fast_decode=fast_decode)
+            out = turns.run(sample, chunk, prompts, [0] * len(chunk), 1).response_ids
         completions = tokenizer.batch_decode(out, skip_special_tokens=True)
         columns: dict[str, list] = {"answer": [ex.answer for ex in chunk]}
         for key in chunk[0].columns:

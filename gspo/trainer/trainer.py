@@ -44,6 +44,7 @@ from gspo.rollout import (
     pad_batch,
 )
 from gspo.rollout.engine import weights_for_rollout
+from gspo.rollout.multiturn import TurnLoop, engine_sampler
 from gspo.trainer import distributed
 from gspo.trainer.checkpoint import (
     cuda_rng_state,
@@ -158,6 +159,7 @@ class Trainer:
         self.ref_model: Any = None
         self.dist: distributed.Dist
         self.engine: Any = None
+        self.turns: TurnLoop | None = None  # rollout.max_turns > 1: environment turns
         self.hooks: Any
         self.logprob_fn: Any
         self.lean = self.inference = False
@@ -191,6 +193,7 @@ class Trainer:
                                        tokenizer=self.tokenizer)
         self.scorer.timeout_s = cfg.reward.timeout_s
         self.eos, self.pad_id = eos_ids(self.model, self.tokenizer), self.tokenizer.pad_token_id
+        self.turns = TurnLoop.from_config(cfg.rollout, cfg.task, self.tokenizer)
         self.ref_model = self._reference_model() if cfg.objective.beta > 0 else None
         # Before the engine and the optimizer: FSDP2 replaces the parameters with shards.
         self.dist = distributed.prepare(cfg, self.model, self.ref_model)
@@ -353,8 +356,12 @@ class Trainer:
                  for i in range(len(prompts))]
         params = SamplingParams(cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k)
         with weights_for_rollout(self.engine, lambda: self.dist.full_weights(self.model)):
-            roll = self.engine.generate(prompts, group_size=cfg.group_size, params=params,
-                                        seeds=seeds)
+            if self.turns is None:
+                roll = self.engine.generate(prompts, group_size=cfg.group_size, params=params,
+                                            seeds=seeds)
+            else:  # observation turns between the policy's (gspo.rollout.multiturn)
+                roll = self.turns.run(engine_sampler(self.engine, params), examples, prompts,
+                                      seeds, cfg.group_size)
         return examples, roll
 
     def score(self, examples: list[Any], roll: Rollout) -> tuple[torch.Tensor, dict[str, float]]:
@@ -453,7 +460,7 @@ class Trainer:
         π_ref and π_old's routing: everything the update reads."""
         padded = {k: v.to(self.dist.device) for k, v in
                   pad_batch(roll.prompt_ids, roll.response_ids, self.pad_id,
-                            roll.logprobs).items()}
+                            roll.logprobs, roll.model_mask).items()}
         old = OldPolicy(rollout=padded["old_logprobs"])
         routing = None
         if self._recompute_old():
@@ -492,6 +499,7 @@ class Trainer:
             **rollout_metrics(roll, padded, old.entropy, gap, timer.seconds,
                               self.cfg.objective.epochs, self.dist),
             **old.routing_metrics,
+            **roll.extras,
             "train/skipped_updates": result.skipped,
             "train/lr": self.scheduler.get_last_lr()[0],
             **timer.metrics(),
@@ -522,7 +530,8 @@ class Trainer:
                         chat_template=self.cfg.task.chat_template,
                         system_prompt=self.cfg.task.system_prompt,
                         max_new_tokens=self.cfg.rollout.eval_max_new_tokens, eos=self.eos,
-                        pad_id=self.pad_id, fast_decode=self.cfg.rollout.fast_decode)
+                        pad_id=self.pad_id, fast_decode=self.cfg.rollout.fast_decode,
+                        turns=self.turns)
 
     def train(self) -> dict[str, Any]:
         """Run to ``cfg.steps``, evaluate, checkpoint; returns the before/after evaluation.

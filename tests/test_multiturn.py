@@ -1,0 +1,218 @@
+"""Multi-turn rollouts: observation tokens are context, never trained on."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from gspo.config import ConfigError, load_config
+from gspo.data import format_prompt
+from gspo.models.logprobs import token_logprobs
+from gspo.models.packing import shared_prefix_logprobs
+from gspo.models.tiny import build_tiny
+from gspo.objectives import OBJECTIVES
+from gspo.rewards import final_numeric_match
+from gspo.rollout import Rollout, SamplingParams, pad_batch
+from gspo.rollout.engine import EngineOptions
+from gspo.rollout.envs import PythonTool, Step, tool_call
+from gspo.rollout.hf_engine import HFEngine
+from gspo.rollout.multiturn import ObservationFormat, TurnLoop, engine_sampler, multi_turn
+from gspo.trainer import Trainer
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+class Scripted:
+    """Answers every turn with the same observation (a test environment)."""
+
+    def reset(self, prompt, **columns):
+        self.answer = columns["answer"]
+
+    def step(self, response):
+        return Step(f"<output>\nsee {self.answer}\n</output>")
+
+
+class FixedFormat:
+    """Observation ids that are known in advance: [90, 91, 92]."""
+
+    def tokens(self, observation, last_token):
+        return [90, 91, 92]
+
+
+def _scripted_sampler(turns):
+    """A SampleFn that returns the given (ids, logprobs) per call, one row per context."""
+    calls = iter(turns)
+
+    def sample(contexts, group_size, seeds):
+        rows = next(calls)
+        assert len(rows) == len(contexts) * group_size
+        return Rollout([c for c in contexts for _ in range(group_size)], [r[0] for r in rows],
+                       [torch.tensor(r[1]) for r in rows], [False] * len(rows), group_size)
+    return sample
+
+
+def test_two_turn_rows_hold_observations_with_exact_masks():
+    """Hand-built: turn 1 [5, 6, 1], observation [90, 91, 92], turn 2 [7, 1]."""
+    env = Scripted()
+    env.reset("q", answer="3")
+    done = type("Done", (), {"step": lambda self, r: Step(done=True)})()
+    sample = _scripted_sampler([
+        [([5, 6, 1], [-0.5, -0.25, -0.125]), ([8, 1], [-1.0, -2.0])],  # turn 1, group of 2
+        [([7, 1], [-0.75, -0.5])],  # turn 2, only row 0 continues
+    ])
+    roll = multi_turn(sample, [[2, 3]], [env, done], group_size=2, seeds=[0], max_turns=2,
+                      fmt=FixedFormat(), decode=str)
+    assert roll.response_ids == [[5, 6, 1, 90, 91, 92, 7, 1], [8, 1]]
+    assert roll.model_mask == [[True] * 3 + [False] * 3 + [True] * 2, [True, True]]
+    assert roll.logprobs[0].tolist() == [-0.5, -0.25, -0.125, 0.0, 0.0, 0.0, -0.75, -0.5]
+    assert roll.extras["rollout/turns_mean"] == 1.5  # the env is not called on the last turn
+    padded = pad_batch(roll.prompt_ids, roll.response_ids, 0, roll.logprobs, roll.model_mask)
+    assert padded["response_mask"].tolist() == [
+        [0, 0, 1, 1, 1, 0, 0, 0, 1, 1], [0, 0, 1, 1, 0, 0, 0, 0, 0, 0]]
+    assert padded["input_ids"][0].tolist() == [2, 3, 5, 6, 1, 90, 91, 92, 7, 1]
+    assert padded["old_logprobs"][0, 5:8].tolist() == [0.0, 0.0, 0.0]
+
+
+def test_gspo_length_normalisation_counts_model_tokens_only():
+    """s_i = exp(mean log-ratio over the policy's tokens): 5 model tokens, 3 observation tokens
+    whose (meaningless) log-ratio must not enter, arXiv:2507.18071 v2, Eq. (7)."""
+    mask = torch.tensor([[1, 1, 1, 0, 0, 0, 1, 1]], dtype=torch.float32)
+    old = torch.full((1, 8), -1.0)
+    delta = 1e-4  # inside GSPO's clip band, so the loss is −s_i Â_i
+    new = torch.where(mask > 0, old + delta, old + 5.0).requires_grad_(True)
+    loss, _ = OBJECTIVES["gspo"](new, old, torch.ones(1), mask, eps_low=3e-4, eps_high=4e-4)
+    assert float(loss.detach()) == pytest.approx(-math.exp(delta), rel=1e-7)
+    loss.backward()  # d(−s)/d logp_t = −s/|y|, |y| = 5, and nothing on observation tokens
+    assert torch.allclose(new.grad[0, mask[0] > 0], torch.full((5,), -math.exp(delta) / 5))
+    assert new.grad[0, mask[0] == 0].abs().max() == 0
+
+
+def test_trainer_logprobs_equal_sampler_logprobs_over_three_turns():
+    """A tiny fp32 policy: the π_old passes (plain and shared-prompt) over the padded
+    transcript reproduce the sampler's log-probs on every model token of every turn."""
+    model, tok = build_tiny("llama", seed=3)
+    prompts = [format_prompt(tok, p) for p in ["What is 1+2?", "Hi there"]]
+    engine = HFEngine(model, tok, EngineOptions())
+    params = SamplingParams(max_new_tokens=6, temperature=0.9)
+    envs = [Scripted() for _ in range(6)]
+    for e in envs:
+        e.reset("q", answer="7")
+    fmt = ObservationFormat(tok, chat_template=True)
+    roll = multi_turn(engine_sampler(engine, params), prompts, envs, group_size=3,
+                      seeds=[11, 12], max_turns=3, fmt=fmt, decode=tok.decode)
+    obs = fmt.tokens("<output>\nsee 7\n</output>", None)
+    assert all(m.count(False) >= 2 * (len(obs) - 1) for m in roll.model_mask)  # 2 observations
+    assert roll.extras["rollout/turns_mean"] == 3
+    b = pad_batch(roll.prompt_ids, roll.response_ids, tok.pad_token_id, roll.logprobs,
+                  roll.model_mask)
+    mask = b["response_mask"]
+    assert mask.sum() == sum(sum(m) for m in roll.model_mask)
+    for fn in (token_logprobs, shared_prefix_logprobs):
+        with torch.no_grad():
+            lp, _ = fn(model, b["input_ids"], b["attention_mask"], mask, temperature=0.9)
+        assert ((lp - b["old_logprobs"]).abs() * mask).max() < 3e-6
+        assert (lp * (1 - mask)).abs().max() == 0  # nothing scored on observations
+
+
+def test_observation_format_follows_the_chat_template():
+    _, tok = build_tiny("llama")
+    fmt = ObservationFormat(tok, chat_template=True)  # tiny template: "role: content\n"
+    assert (fmt.before, fmt.after) == ("\nuser: ", "\nassistant:")
+    ids = fmt.tokens("out", last_token=None)
+    assert tok.decode(ids) == "\nuser: out\nassistant:"
+    assert fmt.tokens("out", last_token=ids[0]) == ids[1:]  # the policy already ended its turn
+    plain = ObservationFormat(tok, chat_template=False)
+    assert tok.decode(plain.tokens("out", None)) == "\nout\n"
+
+
+def test_python_tool_runs_the_last_block_and_a_plain_turn_ends_the_episode():
+    env = PythonTool()
+    env.reset("q")
+    step = env.step("try\n```python\nprint(1)\n```\nthen\n```python\nprint(37*48)\n```")
+    assert step.observation == "<output>\n1776\n</output>" and not step.done
+    assert "ZeroDivisionError" in env.step("```python\n1/0\n```").observation
+    assert env.step("The answer is 1776.").done
+    assert tool_call("```python\nprint(1)") is None  # an unclosed block is not a call
+
+
+def test_final_numeric_match_ignores_numbers_only_the_tool_printed():
+    tool_only = "```python\nprint(6*7)\n```user: <output>\n42\n</output>\nassistant: done"
+    said = tool_only.replace("done", "It is 42.")
+    assert final_numeric_match(["q"] * 3, [tool_only, said, "42"], answer=["42"] * 3) == [
+        0.0, 1.0, 1.0]
+
+
+def test_config_checks_max_turns_and_env_together(tmp_path):
+    with pytest.raises(ConfigError, match="go together"):
+        load_config(None, ["rollout.max_turns=2"])
+    with pytest.raises(ConfigError, match="go together"):
+        load_config(None, ["rollout.env=python"])
+    with pytest.raises(ConfigError, match="r3"):
+        load_config(None, ["rollout.max_turns=2", "rollout.env=python",
+                           "moe.routing_replay=r3"])
+    cfg = load_config(None, ["model=tiny:llama", f"output_dir={tmp_path}",
+                             "rollout.max_turns=2", "rollout.env=nope"])
+    with pytest.raises(ConfigError, match=r"rollout\.env"):
+        Trainer(cfg).setup()
+    assert TurnLoop.from_config(load_config(None, []).rollout, load_config(None, []).task,
+                                None) is None  # the default: single-turn, no loop
+
+
+def test_single_turn_rollouts_pad_exactly_as_before():
+    """Feature off (model_mask None) and an all-True mask give the same tensors."""
+    p, r = [[2, 3], [4]], [[5, 6, 1], [7]]
+    lps = [torch.tensor([-1.0, -2.0, -3.0]), torch.tensor([-0.5])]
+    a = pad_batch(p, r, 0, lps)
+    b = pad_batch(p, r, 0, lps, [[True] * 3, [True]])
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_trainer_runs_two_turn_episodes(tmp_path):
+    cfg = load_config(None, [
+        "model=tiny:llama", f"output_dir={tmp_path}", "run_name=mt", "progress=false",
+        "steps=2", "rollout.max_new_tokens=5", "rollout.prompts_per_step=2",
+        "rollout.group_size=4", "rollout.temperature=1.0", "task.eval_size=4",
+        "objective.num_minibatches=2", "rollout.max_turns=2",
+        f"rollout.env={__name__}:Scripted", "reward.functions=[final_numeric_match]",
+        "logging.samples_every=1"])
+    trainer = Trainer(cfg).setup()
+    out = trainer.train()
+    rows = [json.loads(x) for x in open(trainer.run_dir / "metrics.jsonl")]
+    step = [r for r in rows if "reward/mean" in r][-1]
+    assert step["rollout/turns_mean"] == 2  # the scripted env always answers turn 1
+    assert step["rollout/observation_tokens_mean"] > 0
+    assert step["rollout/logprob_gap_abs_max"] < 3e-5  # π_old saw the sampler's tokens
+    assert step["rollout/model_tokens_mean"] <= 2 * 5
+    assert out["after"]["n"] == 4  # evaluation ran the same two-turn loop, greedily
+
+
+def test_openenv_adapter_drives_an_in_process_environment():
+    """A real openenv-core Environment subclass (skipped where openenv-core is not installed)."""
+    types = pytest.importorskip("openenv.core.env_server.types")
+    interfaces = pytest.importorskip("openenv.core.env_server.interfaces")
+    from gspo.rollout.openenv_adapter import OpenEnvAdapter
+
+    class Say(types.Action):
+        text: str
+
+    class Heard(types.Observation):
+        text: str = ""
+
+    class Echo(interfaces.Environment):
+        def reset(self, seed=None, episode_id=None, **kw):
+            self.n = 0
+            return Heard()
+
+        def step(self, action, timeout_s=None, **kw):
+            self.n += 1
+            return Heard(text=f"heard {action.text}", done=self.n >= 2)
+
+        @property
+        def state(self):
+            return types.State(step_count=self.n)
+
+    env = OpenEnvAdapter(Echo(), action=lambda t: Say(text=t), observe=lambda o: o.text)
+    env.reset("q")
+    assert env.step("hi") == Step("heard hi")
+    assert env.step("again").done
