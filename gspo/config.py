@@ -231,7 +231,9 @@ class TrainConfig:
         True, "glibc: keep freed CPU memory for reuse instead of page-faulting fresh memory in "
         "for every large tensor (faster steps; RSS stays at its peak)")
     progress: bool = _f(True, "show a progress bar")
-    tensorboard: bool = _f(True, "also write TensorBoard event files (skipped if not installed)")
+    tensorboard: Literal["auto", "on", "off"] = _f(
+        "auto", "also write TensorBoard event files: auto (when installed, silently), "
+        "on / true (say so when it is not installed), off / false")
     task: TaskConfig = field(default_factory=TaskConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
