@@ -116,6 +116,16 @@ class RewardScorer:
             raise _Failed(box["error"])
         return box["values"]
 
+    def failed_on_all(self, before: dict[str, int], n: int) -> str | None:
+        """``"name: <last line of its first error>"`` for a function that failed on every one
+        of the ``n`` responses scored since ``before`` (a copy of :attr:`failures`), else None.
+        """
+        for name in self.names:
+            if n and self.failures.get(name, 0) - before.get(name, 0) >= n:
+                report = self.first_errors.get(name, "").strip().splitlines()
+                return f"{name}: {report[-1] if report else 'failed'}"
+        return None
+
     def __call__(self, prompts: list[str], completions: list[str],
                  columns: dict[str, list]) -> tuple[list[float], dict[str, list[float]]]:
         """Total reward per response (NaN = unscorable) and each function's own values."""

@@ -546,8 +546,13 @@ class Trainer:
         cfg = self.cfg
         if (self.step == 0 and cfg.eval_before and self.task.eval_examples
                 and self.baseline_eval is None):
+            failures = dict(self.scorer.failures)
             self.baseline_eval = self.evaluate()
             self.reliability.report_reward_errors(0, self.scorer.first_errors)
+            broken = self.scorer.failed_on_all(failures, len(self.task.eval_examples))
+            if broken:  # a reward that cannot score anything: say why now, not after a step
+                raise RewardError(f"every held-out response was unscorable before training "
+                                  f"(reward {broken})")
             self.logger.log(0, {f"eval/{k}": v for k, v in self.baseline_eval.items()})
             if self.dist.is_main:
                 print(f"held-out before training: accuracy {self.baseline_eval['accuracy']:.1%} "
