@@ -1,7 +1,8 @@
 """Typed configuration: the only place defaults live.
 
 Precedence: dataclass defaults < YAML preset < dotted ``key=value`` overrides, e.g.
-``gspo train configs/tiny_cpu.yaml objective.eps_high=4e-4 model=/path/to/model``.
+``gspo train tiny_cpu objective.eps_high=4e-4 model=/path/to/model`` (a preset name or a
+YAML file: :func:`resolve_path`).
 Unknown keys and type mismatches raise :class:`ConfigError` naming the field.
 Each field's ``help`` metadata feeds ``gspo train --help`` and the docs.
 """
@@ -16,6 +17,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+
+from gspo import presets
 
 
 class ConfigError(ValueError):
@@ -336,12 +339,23 @@ def parse_override(item: str) -> dict[str, Any]:
     return value
 
 
-def read_yaml(path: str | Path, what: str = "config file") -> Any:
-    """The parsed YAML of ``path``; a missing, unreadable or malformed file is a one-line
-    :class:`ConfigError` naming it (``what`` names the kind of file in the first case)."""
+def resolve_path(path: str | Path, what: str = "config file") -> Path:
+    """``path`` when it is a file, else the packaged preset of that name (``tiny_cpu``,
+    ``moe/compare``: :mod:`gspo.presets`); neither is a one-line :class:`ConfigError`."""
     p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"{what} not found: {p}")
+    if p.is_file():
+        return p
+    preset = presets.find_preset(str(path))
+    if preset is None:
+        raise ConfigError(f"{what} not found: {p} (not a file, nor a preset; {presets.hint()})")
+    return preset
+
+
+def read_yaml(path: str | Path, what: str = "config file") -> Any:
+    """The parsed YAML of ``path`` (a file or a preset name); a missing, unreadable or
+    malformed file is a one-line :class:`ConfigError` naming it (``what`` names the kind of
+    file in the first case)."""
+    p = resolve_path(path, what)
     try:
         return yaml.safe_load(p.read_text())
     except OSError as e:
