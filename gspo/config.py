@@ -78,6 +78,12 @@ class RewardConfig:
     timeout_s: float = _f(
         60.0, "seconds a reward function may take on one batch; past it the batch is unscorable "
         "for that function and its hung thread is left running as a daemon (0 = no limit)")
+    isolate: Literal["thread", "process"] = _f(
+        "thread", "where reward functions run: 'thread' (in the trainer) or 'process' (each in "
+        "its own process, killed on a crash, past timeout_s or past memory_mb: unscorable)")
+    memory_mb: int = _f(
+        4096, "reward.isolate=process: kill a reward's process past this resident memory "
+        "(MiB; 0 = no limit)")
 
 
 @dataclass
@@ -440,6 +446,9 @@ def validate(cfg: TrainConfig) -> None:
            "reward.weights must have one weight per reward function")
     _check(bool(cfg.reward.functions), "reward.functions must not be empty")
     _check(0 <= cfg.reward.max_unscorable_frac <= 1, "reward.max_unscorable_frac must be in [0, 1]")
+    _check(cfg.reward.memory_mb >= 0, "reward.memory_mb must be >= 0")
+    _check(cfg.reward.isolate == "process" or cfg.reward.memory_mb == RewardConfig.memory_mb,
+           "reward.memory_mb applies only with reward.isolate=process")
     _check(0 <= cfg.reward.timeout_s < float("inf"), "reward.timeout_s must be a number >= 0")
     _validate_guard(cfg.guard)
 

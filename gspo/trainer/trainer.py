@@ -151,7 +151,7 @@ class Trainer:
         self.saved_step: int | None = None  # the step of the newest checkpoint this run wrote
         self.last_samples: tuple[Any, ...] | None = None  # the last scored batch, for samples
         # Set by setup(), in this order (see there).
-        self.scorer: RewardScorer
+        self.scorer: RewardScorer | None = None
         self.task: Any
         self.eos: list[int]
         self.pad_id: int
@@ -190,6 +190,8 @@ class Trainer:
                                        buffer_tokens=cfg.reward.overlong_buffer,
                                        tokenizer=self.tokenizer)
         self.scorer.timeout_s = cfg.reward.timeout_s
+        if cfg.reward.isolate == "process":
+            self.scorer.isolate(self.reward_specs, memory_mb=cfg.reward.memory_mb)
         self.eos, self.pad_id = eos_ids(self.model, self.tokenizer), self.tokenizer.pad_token_id
         self.ref_model = self._reference_model() if cfg.objective.beta > 0 else None
         # Before the engine and the optimizer: FSDP2 replaces the parameters with shards.
@@ -641,6 +643,8 @@ class Trainer:
         ``barrier=False`` after an error: the other ranks may be waiting in a collective."""
         if self.engine is not None:
             self.engine.close()
+        if self.scorer is not None:  # reward.isolate=process: stop the reward processes
+            self.scorer.close()
         if self.logger is not None:
             self.logger.close()
         # FSDP2 can abort at exit when the policy and optimizer outlive the process group.
