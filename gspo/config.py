@@ -1,7 +1,8 @@
 """Typed configuration: the only place defaults live.
 
 Precedence: dataclass defaults < YAML preset < dotted ``key=value`` overrides, e.g.
-``gspo train configs/tiny_cpu.yaml objective.eps_high=4e-4 model=/path/to/model``.
+``gspo train tiny_cpu objective.eps_high=4e-4 model=/path/to/model`` (a preset name or a
+YAML file: :func:`resolve_path`).
 Unknown keys and type mismatches raise :class:`ConfigError` naming the field.
 Each field's ``help`` metadata feeds ``gspo train --help`` and the docs.
 """
@@ -16,6 +17,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+
+from gspo import presets
 
 
 class ConfigError(ValueError):
@@ -75,6 +78,12 @@ class RewardConfig:
     timeout_s: float = _f(
         60.0, "seconds a reward function may take on one batch; past it the batch is unscorable "
         "for that function and its hung thread is left running as a daemon (0 = no limit)")
+    isolate: Literal["thread", "process"] = _f(
+        "thread", "where reward functions run: 'thread' (in the trainer) or 'process' (each in "
+        "its own process, killed on a crash, past timeout_s or past memory_mb: unscorable)")
+    memory_mb: int = _f(
+        4096, "reward.isolate=process: kill a reward's process past this resident memory "
+        "(MiB; 0 = no limit)")
 
 
 @dataclass
@@ -261,7 +270,9 @@ class TrainConfig:
         True, "glibc: keep freed CPU memory for reuse instead of page-faulting fresh memory in "
         "for every large tensor (faster steps; RSS stays at its peak)")
     progress: bool = _f(True, "show a progress bar")
-    tensorboard: bool = _f(True, "also write TensorBoard event files (skipped if not installed)")
+    tensorboard: Literal["auto", "on", "off"] = _f(
+        "auto", "also write TensorBoard event files: auto (when installed, silently), "
+        "on / true (say so when it is not installed), off / false")
     task: TaskConfig = field(default_factory=TaskConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -364,12 +375,23 @@ def parse_override(item: str) -> dict[str, Any]:
     return value
 
 
-def read_yaml(path: str | Path, what: str = "config file") -> Any:
-    """The parsed YAML of ``path``; a missing, unreadable or malformed file is a one-line
-    :class:`ConfigError` naming it (``what`` names the kind of file in the first case)."""
+def resolve_path(path: str | Path, what: str = "config file") -> Path:
+    """``path`` when it is a file, else the packaged preset of that name (``tiny_cpu``,
+    ``moe/compare``: :mod:`gspo.presets`); neither is a one-line :class:`ConfigError`."""
     p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"{what} not found: {p}")
+    if p.is_file():
+        return p
+    preset = presets.find_preset(str(path))
+    if preset is None:
+        raise ConfigError(f"{what} not found: {p} (not a file, nor a preset; {presets.hint()})")
+    return preset
+
+
+def read_yaml(path: str | Path, what: str = "config file") -> Any:
+    """The parsed YAML of ``path`` (a file or a preset name); a missing, unreadable or
+    malformed file is a one-line :class:`ConfigError` naming it (``what`` names the kind of
+    file in the first case)."""
+    p = resolve_path(path, what)
     try:
         return yaml.safe_load(p.read_text())
     except OSError as e:
@@ -467,6 +489,9 @@ def validate(cfg: TrainConfig) -> None:
            "reward.weights must have one weight per reward function")
     _check(bool(cfg.reward.functions), "reward.functions must not be empty")
     _check(0 <= cfg.reward.max_unscorable_frac <= 1, "reward.max_unscorable_frac must be in [0, 1]")
+    _check(cfg.reward.memory_mb >= 0, "reward.memory_mb must be >= 0")
+    _check(cfg.reward.isolate == "process" or cfg.reward.memory_mb == RewardConfig.memory_mb,
+           "reward.memory_mb applies only with reward.isolate=process")
     _check(0 <= cfg.reward.timeout_s < float("inf"), "reward.timeout_s must be a number >= 0")
     _validate_guard(cfg.guard)
 

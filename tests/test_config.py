@@ -307,10 +307,10 @@ def test_validate_on_mutated_config():
 
 
 def _preset_files() -> list[Path]:
-    files: list[Path] = []
-    for folder in (ROOT / "configs", ROOT / "gspo" / "configs"):
-        if folder.is_dir():
-            files += sorted(folder.rglob("*.yaml")) + sorted(folder.rglob("*.yml"))
+    from gspo.presets import preset_files  # the packaged presets (configs/ links to them)
+
+    files = preset_files()
+    assert files
     return files
 
 

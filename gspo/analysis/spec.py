@@ -1,6 +1,6 @@
 """The comparison file of ``gspo compare``: named arms over a base preset, seeds, overrides.
 
-The arms live in a YAML file (``configs/moe/compare.yaml``)::
+The arms live in a YAML file (the preset ``moe/compare``, ``gspo/presets/moe/compare.yaml``)::
 
     base: tiny_moe.yaml          # a run preset (path relative to this file)
     seeds: [0, 1, 2]
@@ -26,7 +26,7 @@ from typing import Any
 
 import yaml
 
-from gspo.config import ConfigError, TrainConfig, load_config, read_yaml
+from gspo.config import ConfigError, TrainConfig, load_config, read_yaml, resolve_path
 
 SPEC_KEYS = ("arms", "base", "overrides", "quick", "seeds")
 ARM_KEYS = ("label", "overrides")
@@ -118,7 +118,7 @@ def load_spec(path: str | Path, *, quick: bool = False, arms: list[str] | None =
               seeds: list[int] | None = None) -> CompareSpec:
     """Read and check a comparison file; every arm's run config is built once, so a typo in
     any arm fails here (one-line :class:`ConfigError`) and not hours into the comparison."""
-    p = Path(path)
+    p = resolve_path(path, "compare file")  # a file, or a preset name (moe/compare)
     data = read_yaml(p, "compare file")
     data = _mapping(data, str(p), SPEC_KEYS)
     for key in ("arms", "seeds"):

@@ -7,8 +7,9 @@ import sys
 import time
 from typing import Any
 
+from gspo import presets
 from gspo.analysis.spec import is_compare_file, load_spec
-from gspo.config import ConfigError, TrainConfig, describe_fields, load_config
+from gspo.config import ConfigError, TrainConfig, describe_fields, load_config, resolve_path
 
 EXIT_USAGE = 2
 EXIT_GUARD_STOP = 3  # the run's guard stopped it (see guard.on_fault); a checkpoint was written
@@ -26,9 +27,10 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 
 def _split_args(args: list[str]) -> tuple[str | None, list[str]]:
+    """(config file or preset name resolved to its file, overrides)."""
     path = None
     if args and "=" not in args[0]:
-        path, args = args[0], args[1:]
+        path, args = str(resolve_path(args[0])), args[1:]
     for a in args:
         if "=" not in a:
             raise ConfigError(f"expected key=value after the config file, got '{a}'")
@@ -129,6 +131,13 @@ def cmd_compare(argv: list[str]) -> int:
     return run(argv)
 
 
+def cmd_presets(argv: list[str]) -> int:
+    if argv:
+        raise ConfigError(f"gspo presets takes no arguments, got '{argv[0]}'")
+    print(presets.listing())
+    return 0
+
+
 def cmd_sft(argv: list[str]) -> int:
     from gspo.config import SFTConfig, load_sft_config
 
@@ -150,8 +159,8 @@ def cmd_sft(argv: list[str]) -> int:
 
 COMMANDS: dict[str, Any] = {"train": cmd_train, "eval": cmd_eval, "validate": cmd_validate,
                             "plot": cmd_plot, "export": cmd_export, "compare": cmd_compare,
-                            "sft": cmd_sft}
-USAGE = """usage: gspo COMMAND [CONFIG.yaml] [key=value ...]
+                            "sft": cmd_sft, "presets": cmd_presets}
+USAGE = """usage: gspo COMMAND [CONFIG.yaml | PRESET] [key=value ...]
 
 commands:
   train     RL-train a model (no arguments: SmolLM2-135M-Instruct on the arithmetic task)
@@ -161,6 +170,7 @@ commands:
   export    merge a LoRA run into full weights: gspo export RUN_DIR --merged OUT
   sft       cold-start a tiny model on arithmetic (cached): gspo sft [key=value ...]
   compare   run the arms of a comparison file and report: gspo compare [FILE.yaml] [--quick]
+  presets   list the presets shipped with gspo (gspo train tiny_cpu, gspo compare moe/compare)
 
 `gspo train --help` lists every config key."""
 

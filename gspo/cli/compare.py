@@ -14,8 +14,8 @@ def cmd_compare(argv: list[str]) -> int:
     p = argparse.ArgumentParser(
         prog="gspo compare", description="run the arms of a comparison file on the same seeds "
         "and write a results table (results.md) and PNG plots")
-    p.add_argument("spec", nargs="?", default="configs/moe/compare.yaml",
-                   help="comparison file (default: configs/moe/compare.yaml)")
+    p.add_argument("spec", nargs="?", default="moe/compare",
+                   help="comparison file or preset name (default: the preset moe/compare)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="applied to every arm")
     p.add_argument("--quick", action="store_true", help="the file's quick setting (seconds)")
     p.add_argument("--arms", default="", help="comma-separated subset of arms")

@@ -20,12 +20,39 @@ class DataError(ValueError):
 
 @dataclass(frozen=True)
 class Example:
-    """One prompt: the user message, its reference answer, and extra columns that are passed
-    to reward functions as keyword arguments."""
+    """One prompt: the user message, its reference answer (rewards get it as ``answer``), and
+    the other columns, passed to reward functions as keyword arguments under their own names
+    (the answer column too, when it is not called ``answer``: see :func:`reward_columns`)."""
 
     prompt: str
     answer: str
     columns: dict[str, Any] = field(default_factory=dict)
+
+
+# The reward call's own arguments: a column with one of these names would collide with them.
+REWARD_ARGUMENTS = ("prompts", "completions")
+
+
+def reward_columns(row: Any, prompt_field: str, answer_field: str,
+                   where: str) -> dict[str, Any]:
+    """The columns of ``row`` that reward functions receive as keyword arguments.
+
+    Every column except the prompt keeps its own name and value (TRL's convention: a reward
+    ``score(prompts, completions, larger, **kw)`` gets the ``larger`` column). The reference
+    answer also arrives as ``answer`` (a string; :class:`Example` holds it), the name the
+    built-in rewards read, so with ``answer_field`` other than ``answer`` a column called
+    ``answer`` would be ambiguous and is a :class:`DataError`, as is a column named after a
+    reward argument (``prompts``, ``completions``).
+    """
+    if answer_field != "answer" and "answer" in row:
+        raise DataError(f"{where}: a column is named 'answer' but task.answer_field="
+                        f"'{answer_field}'; rewards get the answer field as `answer` too, "
+                        "so rename one of them")
+    for name in REWARD_ARGUMENTS:
+        if name in row and name != prompt_field:
+            raise DataError(f"{where}: column '{name}' collides with the reward argument of "
+                            "that name; rename it")
+    return {k: v for k, v in row.items() if k not in (prompt_field, "answer")}
 
 
 @runtime_checkable

@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from gspo.data.base import DataError, Example
+from gspo.data.base import DataError, Example, reward_columns
 
 
 def load_jsonl(path: str, prompt_field: str = "prompt",
                answer_field: str = "answer") -> list[Example]:
-    """Read ``path``; every other column is kept and passed to reward functions."""
+    """Read ``path``; every other column is passed to reward functions under its own name."""
     p = Path(path)
     if not p.is_file():
         raise DataError(f"dataset not found: {p}")
@@ -36,7 +36,7 @@ def load_jsonl(path: str, prompt_field: str = "prompt",
                 raise DataError(f"{p}:{i}: missing field '{name}'")
         if not isinstance(row[prompt_field], str) or not row[prompt_field].strip():
             raise DataError(f"{p}:{i}: field '{prompt_field}' must be a non-empty string")
-        extra = {k: v for k, v in row.items() if k not in (prompt_field, answer_field)}
+        extra = reward_columns(row, prompt_field, answer_field, f"{p}:{i}")
         rows.append(Example(row[prompt_field], str(row[answer_field]), extra))
     if not rows:
         raise DataError(f"{p}: dataset is empty")

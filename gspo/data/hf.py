@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from gspo.config import TaskConfig
-from gspo.data.base import DataError, DatasetTask, Example, hold_out
+from gspo.data.base import DataError, DatasetTask, Example, hold_out, reward_columns
 
 # File suffix -> the `datasets` builder that reads it.
 BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
@@ -44,7 +44,7 @@ def records_to_examples(records: Iterable[Mapping[str, Any]], *, prompt_field: s
         if not isinstance(prompt, str) or not prompt.strip():
             raise DataError(f"{source}: row {i}: column '{prompt_field}' must be a non-empty "
                             "string")
-        extra = {k: v for k, v in row.items() if k not in (prompt_field, answer_field)}
+        extra = reward_columns(row, prompt_field, answer_field, f"{source}: row {i}")
         rows.append(Example(prompt, str(row[answer_field]), extra))
     return rows
 

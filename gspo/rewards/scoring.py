@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gspo.rewards.functions import RewardFn, resolve_reward
+from gspo.rewards.isolation import IsolatedFailure, RewardProcesses
 
 # Largest finite float32: the trainer holds rewards in float32, where a larger value is inf.
 FLOAT32_MAX = 3.4028234663852886e38
@@ -42,7 +43,9 @@ class RewardScorer:
     Python cannot kill a thread, so a function that hangs is *left running*; until it returns,
     later batches are not given to it (they are unscorable at once), so at most one hung thread
     per function exists. A function stuck in C code that holds the GIL blocks the caller anyway:
-    the timeout covers Python code, sleeps and I/O, not that case.
+    the timeout covers Python code, sleeps and I/O, not that case. After :meth:`isolate`
+    (``reward.isolate=process``) the user's functions run in processes of their own instead,
+    which are killed on a timeout, a crash or too much memory (:mod:`gspo.rewards.isolation`).
     """
 
     functions: list[RewardFn]
@@ -52,12 +55,25 @@ class RewardScorer:
     failures: dict[str, int] = field(default_factory=dict)
     timeout_s: float = 0.0  # 0: call in the caller's thread, no limit
     _running: dict[str, threading.Thread] = field(default_factory=dict, repr=False)
+    processes: RewardProcesses | None = None  # reward.isolate=process: see isolate()
 
     @classmethod
     def from_specs(cls, specs: Sequence[Any], weights: Sequence[float] = ()) -> RewardScorer:
         fns = [resolve_reward(s) for s in specs]
         names = [s if isinstance(s, str) else getattr(s, "__name__", "reward") for s in specs]
         return cls(fns, names, list(weights) or [1.0] * len(fns))
+
+    def isolate(self, specs: Sequence[Any], *, memory_mb: int) -> None:
+        """Run the first ``len(specs)`` functions (the user's; ``specs`` as given to
+        :meth:`from_specs`) each in its own process (:mod:`gspo.rewards.isolation`): a crash,
+        a hang past ``timeout_s`` or more than ``memory_mb`` MiB kills that process only and
+        makes the batch unscorable for it."""
+        self.processes = RewardProcesses(self.names[:len(specs)], specs, memory_mb=memory_mb)
+
+    def close(self) -> None:
+        """Stop the reward processes (a no-op for thread isolation)."""
+        if self.processes is not None:
+            self.processes.close()
 
     def _call(self, name: str, fn: RewardFn, prompts: list[str], completions: list[str],
               columns: dict[str, list]) -> list[float]:
@@ -90,6 +106,11 @@ class RewardScorer:
 
     def _values(self, name: str, fn: RewardFn, prompts: list[str], completions: list[str],
                 columns: dict[str, list]) -> list[Any]:
+        if self.processes is not None and name in self.processes:
+            try:
+                return self.processes.call(name, prompts, completions, columns, self.timeout_s)
+            except IsolatedFailure as e:
+                raise _Failed(e.report) from None
         if not self.timeout_s:
             return list(fn(prompts, completions, **columns))
         hung = self._running.get(name)
@@ -115,6 +136,16 @@ class RewardScorer:
         if "error" in box:
             raise _Failed(box["error"])
         return box["values"]
+
+    def failed_on_all(self, before: dict[str, int], n: int) -> str | None:
+        """``"name: <last line of its first error>"`` for a function that failed on every one
+        of the ``n`` responses scored since ``before`` (a copy of :attr:`failures`), else None.
+        """
+        for name in self.names:
+            if n and self.failures.get(name, 0) - before.get(name, 0) >= n:
+                report = self.first_errors.get(name, "").strip().splitlines()
+                return f"{name}: {report[-1] if report else 'failed'}"
+        return None
 
     def __call__(self, prompts: list[str], completions: list[str],
                  columns: dict[str, list]) -> tuple[list[float], dict[str, list[float]]]:

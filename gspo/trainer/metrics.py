@@ -116,7 +116,11 @@ def _is_main_process() -> bool:
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: Path, tensorboard: bool = False, resume_step: int = -1) -> None:
+    def __init__(self, run_dir: Path, tensorboard: bool | str = False,
+                 resume_step: int = -1) -> None:
+        """``tensorboard``: ``"auto"`` writes event files when TensorBoard is installed and says
+        nothing otherwise; ``"on"`` / ``True`` prints one line when it is missing (the user
+        asked for it); ``"off"`` / ``False`` never writes them."""
         self.path = run_dir / "metrics.jsonl"
         self.tb = None
         self.enabled = _is_main_process()
@@ -127,11 +131,13 @@ class MetricsLogger:
             kept = [ln for ln in self.path.read_text().splitlines()
                     if ln.strip() and json.loads(ln).get("step", -1) <= resume_step]
             self.path.write_text("".join(ln + "\n" for ln in kept))
-        if tensorboard:
+        mode = {True: "on", False: "off"}.get(tensorboard, tensorboard)
+        if mode != "off":
             try:
                 from torch.utils.tensorboard import SummaryWriter
-            except ImportError:  # optional extra
-                print("tensorboard is not installed; logging to metrics.jsonl only")
+            except ImportError:  # optional extra: mention it only when it was asked for
+                if mode == "on":
+                    print("tensorboard is not installed; logging to metrics.jsonl only")
             else:
                 self.tb = SummaryWriter(str(run_dir / "tensorboard"))
 

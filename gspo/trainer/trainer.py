@@ -152,7 +152,7 @@ class Trainer:
         self.saved_step: int | None = None  # the step of the newest checkpoint this run wrote
         self.last_samples: tuple[Any, ...] | None = None  # the last scored batch, for samples
         # Set by setup(), in this order (see there).
-        self.scorer: RewardScorer
+        self.scorer: RewardScorer | None = None
         self.task: Any
         self.eos: list[int]
         self.pad_id: int
@@ -192,6 +192,8 @@ class Trainer:
                                        buffer_tokens=cfg.reward.overlong_buffer,
                                        tokenizer=self.tokenizer)
         self.scorer.timeout_s = cfg.reward.timeout_s
+        if cfg.reward.isolate == "process":
+            self.scorer.isolate(self.reward_specs, memory_mb=cfg.reward.memory_mb)
         self.eos, self.pad_id = eos_ids(self.model, self.tokenizer), self.tokenizer.pad_token_id
         self.turns = TurnLoop.from_config(cfg.rollout, cfg.task, self.tokenizer)
         self.ref_model = self._reference_model() if cfg.objective.beta > 0 else None
@@ -555,8 +557,13 @@ class Trainer:
         cfg = self.cfg
         if (self.step == 0 and cfg.eval_before and self.task.eval_examples
                 and self.baseline_eval is None):
+            failures = dict(self.scorer.failures)
             self.baseline_eval = self.evaluate()
             self.reliability.report_reward_errors(0, self.scorer.first_errors)
+            broken = self.scorer.failed_on_all(failures, len(self.task.eval_examples))
+            if broken:  # a reward that cannot score anything: say why now, not after a step
+                raise RewardError(f"every held-out response was unscorable before training "
+                                  f"(reward {broken})")
             self.logger.log(0, {f"eval/{k}": v for k, v in self.baseline_eval.items()})
             if self.dist.is_main:
                 print(f"held-out before training: accuracy {self.baseline_eval['accuracy']:.1%} "
@@ -645,6 +652,8 @@ class Trainer:
         ``barrier=False`` after an error: the other ranks may be waiting in a collective."""
         if self.engine is not None:
             self.engine.close()
+        if self.scorer is not None:  # reward.isolate=process: stop the reward processes
+            self.scorer.close()
         if self.logger is not None:
             self.logger.close()
         # FSDP2 can abort at exit when the policy and optimizer outlive the process group.

@@ -101,3 +101,11 @@ def test_scaling_benchmark_one_process(tmp_path):
     r = data["results"]["1:none"]
     assert len(r["steps"]) == 2 and r["peak_rss_mb"] > 0
     assert (tmp_path / "scaling_tiny-llama.md").is_file()
+
+
+def test_reward_isolation_benchmark_writes_results(tmp_path):
+    from benchmarks import bench_reward_isolation
+
+    data = bench_reward_isolation.main(["--sizes", "4", "--reps", "3", "--out", str(tmp_path)])
+    assert set(data["summary"]["4"]["median_ms"]) == {"inline", "thread", "process"}
+    assert (tmp_path / "reward_isolation.md").read_text().count("|") > 10

@@ -47,7 +47,8 @@ def test_local_files_every_format_with_column_mapping(tmp_path):
         everything = task.rows + task.eval_examples
         assert sorted(ex.prompt for ex in everything) == sorted(f"q{i}" for i in range(10))
         ex = next(e for e in everything if e.prompt == "q4")
-        assert ex == Example("q4", "4", {"level": 1}), name  # other columns reach the rewards
+        # every other column reaches the rewards under its own name, the answer column too
+        assert ex == Example("q4", "4", {"target": 4, "level": 1}), name
 
 
 def test_folder_with_splits_seeded_shuffle_and_resume(tmp_path):

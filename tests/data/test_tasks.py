@@ -242,7 +242,7 @@ def test_build_task_jsonl_custom_fields(tmp_path):
     cfg = TaskConfig(name="jsonl", path=str(p), prompt_field="question", answer_field="target",
                      eval_size=0)
     (ex,) = build_task(cfg, seed=0).sample(1)
-    assert ex == Example("2+2?", "4", {"level": 9})
+    assert ex == Example("2+2?", "4", {"target": 4, "level": 9})  # the answer column keeps its name
 
 
 def test_build_task_errors(tmp_path):
