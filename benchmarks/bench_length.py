@@ -83,7 +83,7 @@ def _grad(t: Trainer, batch: Any, rows: torch.Tensor) -> torch.Tensor:
     loss.backward()
     g = torch.cat([p.grad.flatten() for p in t.model.parameters() if p.grad is not None])
     t.optimizer.zero_grad(set_to_none=True)
-    return g.double()
+    return g
 
 
 def run_length(args: argparse.Namespace, length: int, out: Path) -> dict[str, Any]:
@@ -126,12 +126,12 @@ def run_length(args: argparse.Namespace, length: int, out: Path) -> dict[str, An
         for _ in range(args.resamples):
             g = _grad(t, batch, torch.randperm(n, generator=rs)[:size].sort().values)
             mean = g if mean is None else mean + g
-            sq = float(g.square().sum()) + (0.0 if sq is None else sq)
+            sq = float(g.double().square().sum()) + (0.0 if sq is None else sq)
         mean = mean / args.resamples
-        var = sq / args.resamples - float(mean.square().sum())
+        var = sq / args.resamples - float(mean.double().square().sum())
         row["objectives"][name] = {
             "steps": steps, "grad_var_trace": var,
-            "grad_var_relative": var / max(float(mean.square().sum()), 1e-30),
+            "grad_var_relative": var / max(float(mean.double().square().sum()), 1e-30),
             "grad_mean_norm": float(mean.norm()), "seconds": time.perf_counter() - t0}
     t.cleanup()
     return row
@@ -202,17 +202,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
+    rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as runs:
-        rows = [run_length(args, L, Path(runs)) for L in args.lengths]
+        for length in args.lengths:  # results are rewritten after each length (partial runs)
+            rows.append(run_length(args, length, Path(runs)))
+            data = write(args, argv, rows, out, time.perf_counter() - start,
+                         time.process_time() - cpu)
+            print(f"max_new_tokens={length} done at {data['wall_s']:.0f} s", flush=True)
+    return data
+
+
+def write(args: argparse.Namespace, argv: list[str] | None, rows: list[dict[str, Any]],
+          out: Path, wall_s: float, cpu_s: float) -> dict[str, Any]:
     data = {"command": "python benchmarks/bench_length.py " + " ".join(argv or sys.argv[1:]),
-            "args": vars(args), "wall_s": time.perf_counter() - start, "machine": machine(),
+            "args": vars(args), "wall_s": wall_s, "cpu_s": cpu_s, "machine": machine(),
             "rows": rows}
     (out / "length.json").write_text(json.dumps(data, indent=2))
     (out / "length.md").write_text(
         f"# GSPO vs GRPO against response length\n\nCommand: `{data['command']}` "
-        f"({data['wall_s'] / 60:.1f} min). {args.prompts} prompts x {args.group_size} "
-        f"responses, {args.minibatches} minibatches, {args.resamples} resampled minibatches "
+        f"({wall_s / 60:.1f} min wall, {cpu_s / 60:.1f} min CPU). {args.prompts} prompts x "
+        f"{args.group_size} responses, {args.minibatches} minibatches, {args.resamples} resampled minibatches "
         f"for the gradient variance; synthetic Bernoulli(1/2) rewards (see the script).\n\n"
         + table(rows) + "\n")
     plot(rows, out / "length.png")
