@@ -223,7 +223,8 @@ def write(args: argparse.Namespace, argv: list[str] | None, rows: list[dict[str,
         f"# GSPO vs GRPO against response length\n\nCommand: `{data['command']}` "
         f"({wall_s / 60:.1f} min wall, {cpu_s / 60:.1f} min CPU). {args.prompts} prompts x "
         f"{args.group_size} responses, {args.minibatches} minibatches, {args.resamples} "
-        f"resampled minibatches for the gradient variance; synthetic Bernoulli(1/2) rewards (see the script).\n\n"
+        f"resampled minibatches for the gradient variance; synthetic Bernoulli(1/2) "
+        f"rewards (see the script).\n\n"
         + table(rows) + "\n")
     plot(rows, out / "length.png")
     return data
