@@ -109,6 +109,16 @@ class RolloutConfig:
     env: str = _f(
         "", "rollout.max_turns > 1: environment answering each turn: 'python' (runs the turn's "
         "```python block in the sandbox) or 'module:Class' (see gspo.rollout.envs)")
+    dynamic_sampling: bool = _f(
+        False, "DAPO dynamic sampling (arXiv:2503.14476 v1, Sec. 3.2): drop groups whose "
+        "rewards are all equal and draw more prompts until prompts_per_step groups carry "
+        "signal (one process only; see gspo.trainer.dynamic_sampling)")
+    dynamic_max_extra_batches: int = _f(
+        4, "dynamic_sampling: most extra rollout batches per step; past them the step trains "
+        "on the groups with signal it has (logged as dynamic/cap_reached)")
+    mask_truncated: bool = _f(
+        False, "responses cut at max_new_tokens get zero loss weight (DAPO overlong filtering, "
+        "TRL mask_truncated_completions); they still count in their group's advantages")
 
 
 @dataclass
@@ -190,6 +200,9 @@ class LoggingConfig:
     rollout_check_every: int = _f(
         1, "with objective.old_logprobs=rollout, still recompute π_old every k steps to log the "
         "rollout-vs-trainer gap and the entropy (0: never, which saves that pass; MoE always does)")
+    zero_signal_warn_steps: int = _f(
+        3, "warn once when more than half of the sampled groups had zero reward variance for "
+        "this many consecutive steps (0: never)")
 
 
 @dataclass
@@ -493,6 +506,17 @@ def validate(cfg: TrainConfig) -> None:
     _check(cfg.reward.isolate == "process" or cfg.reward.memory_mb == RewardConfig.memory_mb,
            "reward.memory_mb applies only with reward.isolate=process")
     _check(0 <= cfg.reward.timeout_s < float("inf"), "reward.timeout_s must be a number >= 0")
+    _check(r.dynamic_max_extra_batches >= 0, "rollout.dynamic_max_extra_batches must be >= 0")
+    _check(r.dynamic_sampling
+           or r.dynamic_max_extra_batches == RolloutConfig().dynamic_max_extra_batches,
+           "rollout.dynamic_max_extra_batches is set but rollout.dynamic_sampling=false")
+    # draw d's sampling seeds continue draw d-1's within the step's block (see Trainer.rollout)
+    draws = r.dynamic_max_extra_batches + 1
+    _check(not r.dynamic_sampling or draws * r.prompts_per_step < 65_537,
+           "rollout.prompts_per_step x (rollout.dynamic_max_extra_batches + 1) must be < 65537")
+    _check(not r.dynamic_sampling or cfg.moe.routing_replay != "r3",
+           "rollout.dynamic_sampling does not support moe.routing_replay=r3 yet")
+    _check(cfg.logging.zero_signal_warn_steps >= 0, "logging.zero_signal_warn_steps must be >= 0")
     _validate_guard(cfg.guard)
 
 

@@ -1,8 +1,8 @@
 """PNG figures comparing runs' ``metrics.jsonl`` (what ``gspo plot`` draws).
 
 One figure per panel group (reward, evaluation, clipping, sequence ratio, response length,
-divergence, entropy, MoE routing); one line per run, named by its folder. Groups no run logged
-are skipped.
+divergence, entropy, GSPO diagnostics, MoE routing); one line per run, named by its folder.
+Groups no run logged are skipped.
 """
 
 from __future__ import annotations
@@ -48,6 +48,23 @@ PANELS: list[tuple[str, str, list[tuple[str, str, str]]]] = [
     ]),
     ("entropy", "Policy entropy", [
         ("train/entropy", "Mean entropy of the policy on response tokens", "nats"),
+    ]),
+    ("diagnostics", "GSPO diagnostics (whole step)", [
+        ("diag/seq_ratio_p50", "Per-sequence ratio s_i: median, bands p10..p90 and p1..p99",
+         "ratio"),
+        ("diag/clip_frac_len_q1", "Tokens clipped, responses up to 1/4 of max_new_tokens",
+         "fraction"),
+        ("diag/clip_frac_len_q2", "Tokens clipped, responses of 1/4..1/2 of max_new_tokens",
+         "fraction"),
+        ("diag/clip_frac_len_q3", "Tokens clipped, responses of 1/2..3/4 of max_new_tokens",
+         "fraction"),
+        ("diag/clip_frac_len_q4", "Tokens clipped, responses of 3/4..all of max_new_tokens",
+         "fraction"),
+        ("reward/frac_groups_zero_std", "Trained groups without reward variance",
+         "fraction of groups"),
+        ("dynamic/zero_signal_frac_sampled", "Sampled groups without reward variance "
+         "(dynamic sampling)", "fraction of groups"),
+        ("dynamic/extra_batches", "Extra rollout batches drawn (dynamic sampling)", "batches"),
     ]),
     ("routing", "MoE routing", [
         ("moe/routing_change", "Expert choices that changed since the rollout policy",
@@ -110,6 +127,12 @@ def _draw(ax: Any, key: str, runs: dict[str, list[dict[str, Any]]], colors: dict
             continue
         style = "o-" if key.startswith("eval/") or len(xs) == 1 else "-"
         ax.plot(xs, ys, style, color=colors[label], label=label, linewidth=1.5, markersize=4)
+        if key == "diag/seq_ratio_p50":
+            for lo_key, hi_key, alpha in (("p10", "p90", 0.25), ("p01", "p99", 0.1)):
+                _, lo = series(rows, f"diag/seq_ratio_{lo_key}")
+                _, hi = series(rows, f"diag/seq_ratio_{hi_key}")
+                if len(lo) == len(hi) == len(xs):
+                    ax.fill_between(xs, lo, hi, color=colors[label], alpha=alpha, linewidth=0)
         if key == "objective/seq_ratio_mean":
             _, lo = series(rows, "objective/seq_ratio_min")
             _, hi = series(rows, "objective/seq_ratio_max")

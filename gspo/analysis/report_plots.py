@@ -33,6 +33,18 @@ def _samples_per_step(run_dir: Path) -> int:
     return int(cfg["rollout"]["prompts_per_step"]) * int(cfg["rollout"]["group_size"])
 
 
+def samples_seen(rows: list[dict[str, Any]], run_dir: Path) -> dict[float, float]:
+    """Step -> responses sampled up to and including it: ``dynamic/responses_sampled`` summed
+    where dynamic sampling logged it (its extra draws count), else prompts x group size."""
+    per_step = _samples_per_step(run_dir)
+    seen, total = {0.0: 0.0}, 0.0
+    for row in rows:
+        if "reward/mean" in row:  # one row per RL step
+            total += float(row.get("dynamic/responses_sampled", per_step))
+            seen[float(row["step"])] = total
+    return seen
+
+
 def band(runs: dict[int, Path], key: str, cache: dict[Path, list[dict[str, Any]]]
          ) -> tuple[list[float], list[float], list[float], list[float]]:
     """(samples, mean, min, max) over seeds at the steps where every seed logged ``key``."""
@@ -40,8 +52,9 @@ def band(runs: dict[int, Path], key: str, cache: dict[Path, list[dict[str, Any]]
     for run_dir in runs.values():
         rows = cache.setdefault(run_dir, read_metrics(run_dir))
         xs, ys = series(rows, key)
+        seen = samples_seen(rows, run_dir)
         scale = _samples_per_step(run_dir)
-        per_seed.append({x * scale: y for x, y in zip(xs, ys) if math.isfinite(y)})
+        per_seed.append({seen.get(x, x * scale): y for x, y in zip(xs, ys) if math.isfinite(y)})
     xs = sorted(set.intersection(*(set(d) for d in per_seed))) if per_seed else []
     mean = [sum(d[x] for d in per_seed) / len(per_seed) for x in xs]
     return xs, mean, [min(d[x] for d in per_seed) for x in xs], \

@@ -54,6 +54,8 @@ from gspo.trainer.checkpoint import (
     save_checkpoint,
     set_extra_rng_state,
 )
+from gspo.trainer.diagnostics import StepDiagnostics
+from gspo.trainer.dynamic_sampling import Draw, ZeroSignalWatch, collect, mask_truncated
 from gspo.trainer.evaluate import evaluate
 from gspo.trainer.guard import GuardStop
 from gspo.trainer.host import keep_freed_memory
@@ -151,6 +153,7 @@ class Trainer:
         self.final_eval: dict[str, float] | None = None
         self.saved_step: int | None = None  # the step of the newest checkpoint this run wrote
         self.last_samples: tuple[Any, ...] | None = None  # the last scored batch, for samples
+        self.zero_signal = ZeroSignalWatch(cfg.logging.zero_signal_warn_steps)
         # Set by setup(), in this order (see there).
         self.scorer: RewardScorer | None = None
         self.task: Any
@@ -199,6 +202,8 @@ class Trainer:
         self.ref_model = self._reference_model() if cfg.objective.beta > 0 else None
         # Before the engine and the optimizer: FSDP2 replaces the parameters with shards.
         self.dist = distributed.prepare(cfg, self.model, self.ref_model)
+        if cfg.rollout.dynamic_sampling and self.dist.enabled:
+            raise ConfigError("rollout.dynamic_sampling runs in one process only for now")
         self._start_engine()  # on the final policy, once the config fits what it can do
         self._choose_passes()
         self.optimizer = torch.optim.AdamW(
@@ -341,9 +346,10 @@ class Trainer:
         return path
 
     # ------------------------------------------------------------------ the step's phases
-    def rollout(self) -> tuple[list[Any], Rollout]:
+    def rollout(self, draw: int = 0) -> tuple[list[Any], Rollout]:
         """This rank's share of the step's prompts (all of them in one process) and their
-        ``group_size`` samples each, from the rollout engine."""
+        ``group_size`` samples each, from the rollout engine. ``draw``: the how-many-th
+        rollout batch of this step (dynamic sampling draws more than one)."""
         cfg = self.cfg.rollout
         # Every rank draws the same prompts and keeps whole groups: advantages stay local.
         examples = self.task.sample(cfg.prompts_per_step)
@@ -352,9 +358,10 @@ class Trainer:
         task = self.cfg.task
         prompts = [format_prompt(self.tokenizer, ex.prompt, chat_template=task.chat_template,
                                  system_prompt=task.system_prompt) for ex in examples]
-        # Sampling is a function of (seed, step, prompt index): resume is exact, and the
+        # Sampling is a function of (seed, step, draw, prompt index): resume is exact, and the
         # responses do not depend on how the prompts are split across ranks.
-        seeds = [(self.cfg.seed * 1_000_003 + self.step) * 65_537 + lo + i
+        first = draw * cfg.prompts_per_step + lo  # < 65_537 (checked by validate)
+        seeds = [(self.cfg.seed * 1_000_003 + self.step) * 65_537 + first + i
                  for i in range(len(prompts))]
         params = SamplingParams(cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k)
         with weights_for_rollout(self.engine, lambda: self.dist.full_weights(self.model)):
@@ -403,7 +410,9 @@ class Trainer:
         gen = torch.Generator().manual_seed(self.cfg.seed * 7_919 + self.step)
         reuse = (self._recompute_old() and o.old_logprobs == "recompute"
                  and can_reuse_first_forward(self.model, self.dist, self.hooks))
-        return plan_update(self.cfg.rollout.prompts_per_step * roll.group_size,
+        # One process: the batch may hold fewer groups (dynamic sampling past its cap).
+        n = self.cfg.rollout.prompts_per_step * roll.group_size if self.dist.enabled else len(roll)
+        return plan_update(n,
                            num_minibatches=o.num_minibatches, epochs=o.epochs, generator=gen,
                            old_from_first=reuse)
 
@@ -470,8 +479,10 @@ class Trainer:
                 padded, plan.old_pass_rows(len(roll)))
         routing, old.routing_metrics = self.hooks.rollout_routing(roll, routing, self.dist)
         pi_old = old.recomputed if self.cfg.objective.old_logprobs == "recompute" else old.rollout
-        batch = UpdateBatch(padded["input_ids"], padded["attention_mask"],
-                            padded["response_mask"], pi_old, adv,
+        mask = padded["response_mask"]
+        if self.cfg.rollout.mask_truncated:  # zero loss weight; advantages are computed already
+            mask = mask_truncated(mask, roll.truncated)
+        batch = UpdateBatch(padded["input_ids"], padded["attention_mask"], mask, pi_old, adv,
                             self.reference_logprobs(padded), routing)
         return batch, old
 
@@ -480,7 +491,9 @@ class Trainer:
         return policy_update(self.model, self.optimizer, self.scheduler, batch, plan,
                              objective=self.objective, temperature=cfg.rollout.temperature,
                              chunk=cfg.logprob_chunk, grad_clip=cfg.optim.grad_clip,
-                             hooks=self.hooks, dist=self.dist, logprob_fn=self.logprob_fn)
+                             hooks=self.hooks, dist=self.dist, logprob_fn=self.logprob_fn,
+                             diagnostics=StepDiagnostics(self.objective,
+                                                         cfg.rollout.max_new_tokens))
 
     def sync(self) -> None:
         """The next rollout samples from the updated policy."""
@@ -502,6 +515,7 @@ class Trainer:
                               self.cfg.objective.epochs, self.dist),
             **old.routing_metrics,
             **roll.extras,
+            **result.diagnostics,
             "train/skipped_updates": result.skipped,
             "train/lr": self.scheduler.get_last_lr()[0],
             **timer.metrics(),
@@ -514,6 +528,10 @@ class Trainer:
             examples, roll = self.rollout()
         with timer("reward"):
             rewards, reward_metrics = self.score(examples, roll)  # the global batch's
+        sampling: dict[str, float] = {}
+        if self.cfg.rollout.dynamic_sampling:  # DAPO: drop zero-variance groups, draw more
+            examples, roll, rewards, sampling = self.refill(examples, roll, rewards, timer)
+        with timer("reward"):
             adv = self.advantages(rewards, roll)
         with timer("old_logprobs"):
             plan = self.plan(roll)
@@ -524,7 +542,24 @@ class Trainer:
         if not self.engine.capabilities.shares_policy_weights:
             with timer("weight_sync"):
                 self.sync()
-        return {**reward_metrics, **self.step_metrics(rewards, roll, batch, old, result, timer)}
+        return {**reward_metrics, **sampling,
+                **self.step_metrics(rewards, roll, batch, old, result, timer)}
+
+    def refill(self, examples: list[Any], roll: Rollout, rewards: torch.Tensor,
+               timer: PhaseTimer) -> tuple[list[Any], Rollout, torch.Tensor, dict[str, float]]:
+        """Dynamic sampling (see gspo.trainer.dynamic_sampling): the groups with reward
+        variance of this draw and of further draws, and what the further draws cost."""
+        def draw(d: int) -> Draw:
+            with timer("rollout"):
+                ex, r = self.rollout(draw=d)
+            with timer("reward"):
+                return Draw(ex, r, self.score(ex, r)[0])
+
+        cfg = self.cfg.rollout
+        got = collect(Draw(examples, roll, rewards), draw, prompts_per_step=cfg.prompts_per_step,
+                      max_extra_batches=cfg.dynamic_max_extra_batches,
+                      min_rows=self.cfg.objective.num_minibatches)
+        return got.examples, got.roll, got.rewards, got.metrics
 
     # ------------------------------------------------------------------ the loop
     def evaluate(self) -> dict[str, float]:
@@ -596,6 +631,9 @@ class Trainer:
         stop_reason = (self.reliability.respond(reason, self.step, self.model, self.optimizer,
                                                 self.scheduler) if reason else None)
         metrics.update(guard.metrics())
+        warning = self.zero_signal.observe(metrics)
+        if warning and self.dist.is_main:
+            tqdm.write(warning)
         if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < cfg.steps:
             metrics.update({f"eval/{k}": v for k, v in self.evaluate().items()})
         self.logger.log(self.step, metrics)

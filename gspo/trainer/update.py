@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from gspo.models.logprobs import token_logprobs
 from gspo.objectives import Objective
+from gspo.trainer.diagnostics import StepDiagnostics
 from gspo.trainer.distributed import Dist
 from gspo.trainer.metrics import reduce_stats
 from gspo.trainer.moe_hooks import NO_MOE, PolicyHooks
@@ -117,13 +118,15 @@ class UpdateResult:
     old_logprobs: torch.Tensor
     first_rows: torch.Tensor | None = None
     first_entropy: torch.Tensor | None = None
+    diagnostics: dict[str, float] = field(default_factory=dict)  # whole-step diag/* metrics
 
 
 def policy_update(model: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
                   batch: UpdateBatch, plan: UpdatePlan, *, objective: Objective,
                   temperature: float, chunk: int, grad_clip: float,
                   hooks: PolicyHooks = NO_MOE, dist: Dist | None = None,
-                  logprob_fn: Callable[..., Any] = token_logprobs) -> UpdateResult:
+                  logprob_fn: Callable[..., Any] = token_logprobs,
+                  diagnostics: StepDiagnostics | None = None) -> UpdateResult:
     """Run ``plan``: one AdamW step per minibatch.
 
     ``hooks``: the policy's MoE hooks (routing replay, routing-change metric, load-balancing
@@ -133,6 +136,7 @@ def policy_update(model: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
     each minibatch, and the stats come back as global values (see :func:`_local_rows`).
     ``logprob_fn``: :func:`token_logprobs` or a drop-in with its signature and outputs (e.g.
     :func:`gspo.models.packing.shared_prefix_logprobs`).
+    ``diagnostics``: collects the whole step's ``diag/*`` metrics into ``result.diagnostics``.
     """
     d = dist if dist is not None else Dist()
     if plan.old_from_first and d.enabled:
@@ -150,7 +154,8 @@ def policy_update(model: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
             fill_old = plan.old_from_first and epoch == 0 and k == 0
             stats = _step(model, optimizer, scheduler, batch, local, share, empty, fill_old,
                           result, objective=objective, temperature=temperature, chunk=chunk,
-                          grad_clip=grad_clip, hooks=hooks, d=d, logprob_fn=logprob_fn)
+                          grad_clip=grad_clip, hooks=hooks, d=d, logprob_fn=logprob_fn,
+                          diagnostics=diagnostics)
             if stats is None:
                 result.skipped += 1
                 continue
@@ -161,14 +166,16 @@ def policy_update(model: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
     if d.enabled:
         result.stats = reduce_stats(result.stats, counts, d.all_reduce,
                                     stat_kinds(objective, hooks))
+    if diagnostics is not None:
+        result.diagnostics = diagnostics.metrics(d)
     return result
 
 
 def _step(model: Any, optimizer: Any, scheduler: Any, batch: UpdateBatch, local: torch.Tensor,
           share: float, empty: bool, fill_old: bool, result: UpdateResult, *,
           objective: Objective, temperature: float, chunk: int, grad_clip: float,
-          hooks: PolicyHooks, d: Dist, logprob_fn: Callable[..., Any]
-          ) -> dict[str, torch.Tensor] | None:
+          hooks: PolicyHooks, d: Dist, logprob_fn: Callable[..., Any],
+          diagnostics: StepDiagnostics | None = None) -> dict[str, torch.Tensor] | None:
     """One minibatch: forward, loss, backward, AdamW step; its stats, or None if skipped."""
     mb = batch.rows(local)
     width = mb.input_ids.shape[1]
@@ -192,6 +199,9 @@ def _step(model: Any, optimizer: Any, scheduler: Any, batch: UpdateBatch, local:
         optimizer.zero_grad(set_to_none=True)
         if not _everywhere(_all_finite(loss, logprobs, mb.old_logprobs, mb.response_mask), d):
             return None
+        if diagnostics is not None and not empty:
+            diagnostics.observe(logprobs, mb.old_logprobs, mb.advantages, mb.response_mask,
+                                mb.ref_logprobs)
         grad_loss.backward()  # inside the hooks' block: checkpointing recomputes replay too
     gnorm = _grad_norm(model, grad_clip)
     if not torch.isfinite(gnorm):

@@ -109,3 +109,16 @@ def test_reward_isolation_benchmark_writes_results(tmp_path):
     data = bench_reward_isolation.main(["--sizes", "4", "--reps", "3", "--out", str(tmp_path)])
     assert set(data["summary"]["4"]["median_ms"]) == {"inline", "thread", "process"}
     assert (tmp_path / "reward_isolation.md").read_text().count("|") > 10
+@pytest.mark.slow  # ~12 s on a quiet machine (two SmolLM2-free Trainer setups and updates)
+def test_length_benchmark_writes_curves(tmp_path):
+    from benchmarks import bench_length
+
+    data = bench_length.main(["--model", "tiny:llama", "--lengths", "4", "--prompts", "2",
+                              "--group-size", "4", "--minibatches", "2", "--resamples", "2",
+                              "--lr", "3e-3", "--out", str(tmp_path)])
+    (row,) = data["rows"]
+    for name in ("gspo", "grpo"):
+        o = row["objectives"][name]
+        assert len(o["steps"]) == 2 and o["grad_var_trace"] >= -1e-9
+        assert o["steps"][-1]["token_ratio_std"] > 0  # the update moved the policy
+    assert (tmp_path / "length.png").is_file() and "| 4 |" in (tmp_path / "length.md").read_text()

@@ -1,0 +1,161 @@
+"""Which groups and tokens a step trains on: DAPO dynamic sampling, truncation masking, and the
+zero-signal warning.
+
+Dynamic sampling (DAPO, arXiv:2503.14476 v1, Sec. 3.2): a group whose G rewards are all equal
+has all-zero advantages under group normalisation, so it adds no policy gradient (with β = 0)
+and only dilutes the mean over rows. With ``rollout.dynamic_sampling`` the step drops such
+groups and draws further rollout batches of ``prompts_per_step`` new prompts until
+``prompts_per_step`` groups carry signal, or until ``rollout.dynamic_max_extra_batches`` extra
+batches were drawn; past that cap it trains on the groups with signal it has
+(``dynamic/cap_reached``). Surplus groups of the last draw are discarded, as in DAPO.
+
+Reproducibility: draw ``d`` of step ``k`` takes its prompts from the task's own checkpointed
+stream and samples with seeds that are a function of (seed, k, d, prompt index)
+(``Trainer.rollout``), so a resumed run redraws exactly the same batches.
+
+Truncation masking (``rollout.mask_truncated``; DAPO's overlong filtering, TRL's
+``mask_truncated_completions``): responses cut at ``max_new_tokens`` keep their reward and
+their place in the group's advantage baseline, but get zero loss weight.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from gspo.rollout import Rollout
+
+__all__ = ["Draw", "DynamicBatch", "ZeroSignalWatch", "collect", "concat_rollouts",
+           "mask_truncated", "signal_groups"]
+
+
+def signal_groups(rewards: Tensor, group_size: int) -> Tensor:
+    """[n_groups] bool: the group has ≥ 2 scorable (non-NaN) rewards that are not all equal,
+    i.e. non-zero advantages (the same rule as ``reward/frac_groups_zero_std``)."""
+    r = rewards.detach().double().reshape(-1, group_size)
+    ok = ~torch.isnan(r)
+    hi = torch.where(ok, r, -math.inf).amax(-1)
+    lo = torch.where(ok, r, math.inf).amin(-1)
+    return (ok.sum(-1) >= 2) & (hi > lo)
+
+
+def concat_rollouts(rolls: list[Rollout]) -> Rollout:
+    """The rows of several rollouts in order (same group size; no recorded routing)."""
+    if any(r.routing is not None for r in rolls):
+        raise ValueError("concat_rollouts: rollouts with recorded routing (R3) cannot be joined")
+    return Rollout([p for r in rolls for p in r.prompt_ids],
+                   [y for r in rolls for y in r.response_ids],
+                   [lp for r in rolls for lp in r.logprobs],
+                   [t for r in rolls for t in r.truncated], rolls[0].group_size)
+
+
+@dataclass
+class Draw:
+    """One scored rollout batch: its examples, rollout and rewards [n_groups · G]."""
+
+    examples: list[Any]
+    roll: Rollout
+    rewards: Tensor
+
+
+@dataclass
+class DynamicBatch:
+    """The groups a step trains on, from one or more draws, and what it cost."""
+
+    examples: list[Any]
+    roll: Rollout
+    rewards: Tensor
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def collect(first: Draw, draw: Callable[[int], Draw], *, prompts_per_step: int,
+            max_extra_batches: int, min_rows: int = 1) -> DynamicBatch:
+    """Groups with reward variance from ``first`` and further draws ``draw(1)``, ``draw(2)``, …
+    until ``prompts_per_step`` of them are collected or ``max_extra_batches`` extra draws ran.
+
+    The batch holds the first ``prompts_per_step`` groups with signal in draw order. When it
+    would hold fewer than ``min_rows`` rows (the update's minibatch count; also when no group
+    had signal), it is topped up with zero-signal groups in draw order, which carry zero
+    advantage (``dynamic/groups_filled``). A draw with every group kept returns its own
+    tensors unchanged.
+    """
+    g = first.roll.group_size
+    draws, signal = [first], [signal_groups(first.rewards, g)]
+    start = time.perf_counter()
+    while sum(int(s.sum()) for s in signal) < prompts_per_step and len(draws) <= max_extra_batches:
+        d = draw(len(draws))
+        draws.append(d)
+        signal.append(signal_groups(d.rewards, g))
+    extra_s = time.perf_counter() - start
+    order = [(i, j) for i, s in enumerate(signal) for j in range(len(s))]
+    kept = [(i, j) for i, j in order if signal[i][j]][:prompts_per_step]
+    need = max(0, math.ceil(min_rows / g) - len(kept))
+    filled = [(i, j) for i, j in order if not signal[i][j]][:need]
+    chosen = sorted(kept + filled)
+    sampled = torch.cat([d.rewards for d in draws]).double()
+    n_sampled = sum(len(s) for s in signal)
+    metrics = {
+        "dynamic/groups_sampled": float(n_sampled),
+        "dynamic/groups_kept": float(len(kept)),
+        "dynamic/groups_filled": float(len(filled)),
+        "dynamic/extra_batches": float(len(draws) - 1),
+        "dynamic/extra_s": extra_s,
+        "dynamic/cap_reached": float(len(kept) < prompts_per_step),
+        "dynamic/responses_sampled": float(sampled.numel()),
+        "dynamic/sampled_reward_mean": float(sampled.nanmean()) if sampled.numel() else 0.0,
+        "dynamic/zero_signal_frac_sampled": 1.0 - sum(int(s.sum()) for s in signal) / n_sampled,
+    }
+    if len(draws) == 1 and len(chosen) == len(signal[0]):
+        return DynamicBatch(first.examples, first.roll, first.rewards, metrics)
+    rows = lambda j: list(range(j * g, (j + 1) * g))  # noqa: E731
+    roll = concat_rollouts([draws[i].roll.select(rows(j)) for i, j in chosen])
+    rewards = torch.cat([draws[i].rewards[j * g:(j + 1) * g] for i, j in chosen])
+    return DynamicBatch([draws[i].examples[j] for i, j in chosen], roll, rewards, metrics)
+
+
+def mask_truncated(response_mask: Tensor, truncated: list[bool]) -> Tensor:
+    """``response_mask`` [N, T] with the rows of truncated responses set to 0 (a new tensor):
+    the objectives give rows without response tokens zero weight."""
+    keep = torch.tensor([not t for t in truncated], dtype=response_mask.dtype,
+                        device=response_mask.device)
+    return response_mask * keep[:, None]
+
+
+class ZeroSignalWatch:
+    """One warning when more than half of the sampled groups had zero reward variance for ``k``
+    consecutive steps (Unsloth #3485: runs where most groups teach nothing, unnoticed).
+
+    It reads ``dynamic/zero_signal_frac_sampled`` when dynamic sampling ran, else
+    ``reward/frac_groups_zero_std`` (the trained batch). ``k = 0``: never warns.
+    """
+
+    THRESHOLD = 0.5
+
+    def __init__(self, k: int) -> None:
+        self.k, self.streak, self.warned = k, 0, False
+
+    def observe(self, metrics: dict[str, float]) -> str | None:
+        """The warning line, on the step the streak reaches ``k`` (once per streak)."""
+        dynamic = "dynamic/zero_signal_frac_sampled" in metrics
+        frac = metrics.get("dynamic/zero_signal_frac_sampled",
+                           metrics.get("reward/frac_groups_zero_std"))
+        if self.k == 0 or frac is None:
+            return None
+        if frac <= self.THRESHOLD:
+            self.streak, self.warned = 0, False
+            return None
+        self.streak += 1
+        if self.streak < self.k or self.warned:
+            return None
+        self.warned = True
+        what = ("dynamic sampling discards most rollouts" if dynamic
+                else "the update is mostly empty")
+        return (f"warning: {frac:.0%} of groups had zero reward variance ({self.streak} steps "
+                f"in a row above {self.THRESHOLD:.0%}): {what}; make the task easier or harder "
+                "(task.levels), raise rollout.group_size, or raise rollout.temperature")

@@ -1,0 +1,211 @@
+"""DAPO dynamic sampling, truncation masking, the zero-signal warning and the whole-step
+diagnostics: units on hand-built inputs, then the loop on a tiny model (resume included)."""
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from gspo.config import ConfigError, load_config
+from gspo.objectives import objective_from_config
+from gspo.rollout import Rollout
+from gspo.trainer import Trainer
+from gspo.trainer.diagnostics import StepDiagnostics
+from gspo.trainer.dynamic_sampling import (
+    Draw,
+    ZeroSignalWatch,
+    collect,
+    mask_truncated,
+    signal_groups,
+)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+G = 2
+
+
+def _draw(rewards, tag):
+    """A fake scored draw with groups of G; example j of draw ``tag`` is named f"{tag}{j}"."""
+    n = len(rewards)
+    roll = Rollout([[1]] * n, [[tag, i] for i in range(n)], [torch.zeros(2)] * n,
+                   [False] * n, G)
+    return Draw([f"{tag}{j}" for j in range(n // G)], roll, torch.tensor(rewards))
+
+
+def test_signal_groups_needs_two_scorable_different_rewards():
+    r = torch.tensor([0.0, 1.0, 1.0, 1.0, math.nan, 1.0, math.nan, math.nan, 0.5, 0.25])
+    assert signal_groups(r, 2).tolist() == [True, False, False, False, True]
+
+
+def test_collect_draws_until_enough_groups_carry_signal():
+    first = _draw([0, 1, 1, 1, 0, 0], 0)  # one group with signal of three
+    later = {1: _draw([1, 1, 0, 1, 0, 0], 1), 2: _draw([0, 1, 1, 0, 0, 1], 2)}
+    seen = []
+    got = collect(first, lambda d: seen.append(d) or later[d], prompts_per_step=3,
+                  max_extra_batches=5)
+    assert seen == [1, 2]  # stops once 3 groups have signal; the surplus of draw 2 is dropped
+    assert got.examples == ["00", "11", "20"]
+    assert got.rewards.tolist() == [0, 1, 0, 1, 0, 1]
+    assert [y[0] for y in got.roll.response_ids] == [0, 0, 1, 1, 2, 2]
+    m = got.metrics
+    assert (m["dynamic/groups_sampled"], m["dynamic/groups_kept"], m["dynamic/extra_batches"],
+            m["dynamic/cap_reached"], m["dynamic/groups_filled"]) == (9, 3, 2, 0, 0)
+    assert m["dynamic/responses_sampled"] == 18
+    assert m["dynamic/zero_signal_frac_sampled"] == pytest.approx(4 / 9)
+    assert m["dynamic/sampled_reward_mean"] == pytest.approx(9 / 18)
+
+
+def test_collect_past_the_cap_trains_on_what_it_has_and_tops_up_for_minibatches():
+    first = _draw([1, 1, 0, 1, 0, 0], 0)
+    got = collect(first, lambda d: _draw([0, 0, 1, 1, 1, 1], d), prompts_per_step=3,
+                  max_extra_batches=1)
+    assert got.examples == ["01"] and got.metrics["dynamic/cap_reached"] == 1.0
+    # 4 minibatches need 4 rows: one zero-signal group (in draw order) joins, advantage 0
+    got = collect(first, lambda d: _draw([0, 0, 1, 1, 1, 1], d), prompts_per_step=3,
+                  max_extra_batches=1, min_rows=4)
+    assert got.examples == ["00", "01"] and got.metrics["dynamic/groups_filled"] == 1.0
+    none = collect(_draw([1, 1], 0), lambda d: _draw([0, 0], d), prompts_per_step=1,
+                   max_extra_batches=2)
+    assert none.examples == ["00"] and none.metrics["dynamic/groups_kept"] == 0.0
+
+
+def test_collect_keeps_a_full_draw_as_it_is():
+    first = _draw([0, 1, 1, 0], 0)
+    got = collect(first, lambda d: pytest.fail("no extra draw needed"), prompts_per_step=2,
+                  max_extra_batches=3)
+    assert got.roll is first.roll and got.rewards is first.rewards
+
+
+def test_mask_truncated_zeroes_whole_rows():
+    mask = torch.ones(3, 4)
+    out = mask_truncated(mask, [False, True, False])
+    assert out.tolist() == [[1] * 4, [0] * 4, [1] * 4] and mask.sum() == 12
+
+
+def test_zero_signal_warning_after_k_steps_once_per_streak():
+    watch = ZeroSignalWatch(3)
+    seen = [watch.observe({"reward/frac_groups_zero_std": f})
+            for f in (0.9, 0.8, 0.75, 0.9, 0.2, 0.6, 0.6, 0.6)]
+    assert [s is not None for s in seen] == [False, False, True, False, False, False, False, True]
+    assert "task.levels" in seen[2] and "rollout.group_size" in seen[2]
+    assert "temperature" in seen[2] and "mostly empty" in seen[2]
+    assert ZeroSignalWatch(0).observe({"reward/frac_groups_zero_std": 1.0}) is None
+    dyn = ZeroSignalWatch(1).observe({"dynamic/zero_signal_frac_sampled": 0.7,
+                                      "reward/frac_groups_zero_std": 0.0})
+    assert "discards most rollouts" in dyn
+
+
+def test_step_diagnostics_reduce_over_the_whole_step():
+    cfg = load_config(None, ["objective.name=grpo", "objective.eps_low=0.2",
+                             "objective.eps_high=0.27"])
+    objective = objective_from_config(cfg.objective)
+    torch.manual_seed(0)
+    diag, parts = StepDiagnostics(objective, max_new_tokens=8), []
+    for _ in range(2):
+        mask = torch.zeros(5, 8)
+        for i, n in enumerate([1, 3, 5, 8, 0]):
+            mask[i, :n] = 1
+        old = -torch.rand(5, 8)
+        new = old + 0.5 * torch.randn(5, 8)
+        adv = torch.randn(5)
+        diag.observe(new, old, adv, mask)
+        parts.append((new, old, adv, mask))
+    m = diag.metrics()
+    log_s = torch.cat([((n - o) * k).sum(-1)[k.sum(-1) > 0] / k.sum(-1)[k.sum(-1) > 0]
+                       for n, o, _, k in parts]).double()
+    for name, q in (("p01", 0.01), ("p50", 0.5), ("p99", 0.99)):
+        assert m[f"diag/seq_ratio_{name}"] == pytest.approx(float(log_s.exp().quantile(q)),
+                                                            rel=1e-6)
+    # bucket q1 (length 1..2 of 8) holds row 0 of both minibatches: its own clip flags
+    flags = [((torch.exp(n - o)[0, 0] > 1.27) & (a[0] > 0)) | ((torch.exp(n - o)[0, 0] < 0.8)
+                                                             & (a[0] < 0))
+             for n, o, a, _ in parts]
+    assert m["diag/clip_frac_len_q1"] == pytest.approx(sum(map(float, flags)) / 2)
+    assert set(m) >= {"diag/seq_ratio_p01", "diag/seq_ratio_p99", "diag/clip_frac_len_q4"}
+
+
+# --------------------------------------------------------------------- the loop, tiny model
+
+
+def first_char_is_digit(prompts, completions, **_):
+    """Most groups of a random tiny model get all-equal rewards with it: little signal."""
+    return [float(bool(c) and c[0].isdigit()) for c in completions]
+
+
+def char_codes(prompts, completions, **_):
+    """Rewards that differ within almost every group."""
+    return [float(sum(map(ord, c)) % 97) for c in completions]
+
+
+def _cfg(tmp_path, name, *extra):
+    return load_config(None, [
+        "model=tiny:llama", f"output_dir={tmp_path}", f"run_name={name}", "progress=false",
+        "tensorboard=false", "rollout.max_new_tokens=5", "rollout.prompts_per_step=2",
+        "rollout.group_size=4", "rollout.temperature=1.0", "objective.num_minibatches=2",
+        "task.eval_size=2", "rollout.eval_max_new_tokens=2", "optim.lr=3e-3", *extra])
+
+
+def _weights(run_dir, step):
+    return load_file(f"{run_dir}/checkpoints/step_{step:06d}/model.safetensors")
+
+
+def _rows(run_dir):
+    return [json.loads(x) for x in open(run_dir / "metrics.jsonl")]
+
+
+def test_dynamic_sampling_with_signal_everywhere_is_the_plain_step(tmp_path):
+    runs = {}
+    for flag in ("false", "true"):
+        t = Trainer(_cfg(tmp_path, f"dyn_{flag}", "steps=2", f"rollout.dynamic_sampling={flag}"),
+                    reward_fns=[char_codes]).setup()
+        t.train()
+        runs[flag] = t.run_dir
+    a, b = _weights(runs["false"], 2), _weights(runs["true"], 2)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    row = _rows(runs["true"])[-2]
+    assert row["dynamic/extra_batches"] == 0 and row["dynamic/groups_kept"] == 2
+
+
+def test_dynamic_sampling_draws_more_and_resumes_bit_exactly(tmp_path):
+    extra = ["rollout.dynamic_sampling=true", "rollout.dynamic_max_extra_batches=2"]
+    straight = Trainer(_cfg(tmp_path, "a", "steps=3", *extra),
+                       reward_fns=[first_char_is_digit]).setup()
+    straight.train()
+    first = Trainer(_cfg(tmp_path, "b", "steps=1", *extra),
+                    reward_fns=[first_char_is_digit]).setup()
+    first.train()
+    resumed = Trainer(_cfg(tmp_path, "x", "steps=3", f"resume={first.run_dir}", *extra),
+                      reward_fns=[first_char_is_digit]).setup()
+    resumed.train()
+    a, b = _weights(straight.run_dir, 3), _weights(first.run_dir, 3)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    rows_a = [r for r in _rows(straight.run_dir) if "dynamic/groups_sampled" in r]
+    rows_b = [r for r in _rows(first.run_dir) if "dynamic/groups_sampled" in r]
+    keys = ("dynamic/groups_sampled", "dynamic/groups_kept", "reward/mean",
+            "diag/seq_ratio_p50", "objective/clip_frac_tokens")
+    assert [[r[k] for k in keys] for r in rows_a] == [[r[k] for k in keys] for r in rows_b]
+    assert sum(r["dynamic/extra_batches"] for r in rows_a) > 0  # the reward is sparse here
+    assert all(r["dynamic/groups_sampled"] >= r["dynamic/groups_kept"] for r in rows_a)
+
+
+def test_mask_truncated_gives_truncated_responses_no_loss_weight(tmp_path):
+    t = Trainer(_cfg(tmp_path, "m", "steps=1", "rollout.mask_truncated=true"),
+                reward_fns=[char_codes]).setup()
+    examples, roll = t.rollout()
+    # the random tiny model rarely samples EOS within 5 tokens: mark half the rows as finished
+    roll.truncated = [i % 2 == 0 for i in range(len(roll))]
+    rewards, _ = t.score(examples, roll)
+    plan = t.plan(roll)
+    batch, _ = t.update_batch(roll, t.advantages(rewards, roll), plan)
+    assert any(roll.truncated) and not all(roll.truncated)
+    for i, cut in enumerate(roll.truncated):
+        assert (batch.response_mask[i].sum() == 0) == cut
+    assert float(t.objective.row_weights(batch.response_mask).sum()) == roll.truncated.count(False)
+
+
+def test_unused_dynamic_option_and_r3_are_config_errors():
+    with pytest.raises(ConfigError, match="dynamic_sampling=false"):
+        load_config(None, ["rollout.dynamic_max_extra_batches=2"])
+    with pytest.raises(ConfigError, match="r3"):
+        load_config(None, ["rollout.dynamic_sampling=true", "moe.routing_replay=r3"])
