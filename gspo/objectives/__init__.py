@@ -11,6 +11,12 @@ from gspo.objectives.advantages import (
     grpo_advantages,
     rloo_advantages,
 )
+from gspo.objectives.corrections import (
+    CORRECTION_STAT_KINDS,
+    CORRECTIONS,
+    BoundCorrection,
+    bind_correction,
+)
 from gspo.objectives.policy_losses import (
     LOG_RATIO_CLAMP,
     STAT_KEYS,
@@ -45,6 +51,10 @@ from gspo.objectives.spec import (
 
 __all__ = [
     "ADVANTAGES",
+    "CORRECTIONS",
+    "CORRECTION_STAT_KINDS",
+    "BoundCorrection",
+    "bind_correction",
     "LOG_RATIO_CLAMP",
     "OBJECTIVES",
     "ROW_WEIGHTS",
