@@ -276,7 +276,7 @@ def bind_correction(values: Mapping[str, Any], defaults: Mapping[str, Any], *,
     if unused:
         raise ConfigError(f"objective.correction.{unused[0]}={values[unused[0]]!r}: correction "
                           f"{name!r} does not take this option (its options: "
-                          f"{', '.join(('level',) + entry.options)})")
+                          f"{', '.join(('level', *entry.options))})")
     if old_logprobs == "recompute":
         raise ConfigError(f"objective.correction.name={name} needs π_rollout in the loss: set "
                           "objective.old_logprobs=decoupled (π_old recomputed for the clip "

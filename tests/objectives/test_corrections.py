@@ -86,7 +86,7 @@ def test_weights_are_detached_and_edge_rows_are_zero(name):
     old, rollout, logp, adv, mask = _batch(seed=3)
     logp.requires_grad_(True)
     level = CORRECTIONS[name].levels[-1]
-    w, stats = CORRECTIONS[name](old, rollout, logp, adv, mask, level=level, **OPTS[name])
+    w, _ = CORRECTIONS[name](old, rollout, logp, adv, mask, level=level, **OPTS[name])
     assert not w.requires_grad
     assert (w.reshape(w.shape[0], -1)[0] == 0).all()  # the empty row
     empty = torch.zeros_like(mask)
