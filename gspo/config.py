@@ -99,6 +99,10 @@ class RolloutConfig:
     fast_decode: bool = _f(
         True, "engine=hf: prefill and decode steps of Llama/Qwen2/Qwen3 dense models skip "
         "forward()'s per-call overhead (same arithmetic; other models always use forward)")
+    precision: Literal["fp32", "bf16"] = _f(
+        "fp32", "engine=hf: 'fp32' samples from the policy module itself (in `dtype`); 'bf16' "
+        "from a bfloat16 copy of the fp32 policy, synced after every update (the reference "
+        "train-inference mismatch source, see docs/corrections.md)")
     vllm_memory_fraction: float = _f(
         0.3, "engine=vllm: share of the device's memory (CPU backend: of RAM) vLLM reserves "
         "for weights and KV cache; training shares the device")
@@ -122,6 +126,22 @@ class RolloutConfig:
 
 
 @dataclass
+class CorrectionConfig:
+    """A behaviour correction for π_rollout ≠ π_old (gspo.objectives.corrections)."""
+
+    name: str = _f("none", "correction: none, tis, mis, icepop, offpolicy_mask "
+                   "(see gspo.objectives.CORRECTIONS and docs/corrections.md)")
+    level: Literal["auto", "token", "sequence"] = _f(
+        "auto", "tis/mis/icepop: weight per token or per sequence (geometric-mean ratio); auto: "
+        "the loss's own level; token on a sequence-level loss must be asked for and warns")
+    cap: float = _f(2.0, "tis: truncation C of the weight; mis: weights above C are masked")
+    low: float = _f(0.5, "icepop: lower bound α of the kept ratio band")
+    high: float = _f(5.0, "icepop: upper bound β of the kept ratio band")
+    delta: float = _f(0.01, "offpolicy_mask: mask Â<0 sequences whose mean log π_rollout/π_θ "
+                      "exceeds δ")
+
+
+@dataclass
 class ObjectiveConfig:
     name: str = _f("gspo", "policy loss: gspo, gspo_token, grpo, ... (see gspo.objectives)")
     eps_low: float = _f(3e-4, "lower clip range ε_low (GSPO paper: 3e-4; GRPO: 0.2)")
@@ -132,8 +152,10 @@ class ObjectiveConfig:
         "group", "divide advantages by the group std, the batch std, or nothing")
     num_minibatches: int = _f(4, "minibatches per rollout batch (paper: 4)")
     epochs: int = _f(1, "passes over each rollout batch")
-    old_logprobs: Literal["recompute", "rollout"] = _f(
-        "recompute", "π_old log-probs: recomputed by the trainer in fp32, or the rollout's own")
+    old_logprobs: Literal["recompute", "rollout", "decoupled"] = _f(
+        "recompute", "π_old log-probs: recomputed by the trainer in fp32, the rollout's own "
+        "(arXiv:2507.18071 v2, §5.4), or decoupled: recomputed for the clip ratio, with "
+        "π_rollout used only by objective.correction")
     aggregation: Literal["sequence", "token", "constant"] = _f(
         "sequence", "how the loss averages its terms: 'sequence' (token mean per response, then "
         "mean over responses), 'token' (over all tokens; length-weighted, warns for gspo) or "
@@ -160,6 +182,7 @@ class ObjectiveConfig:
     kl_cov_ratio: float = _f(
         2e-4, "kl_cov: share of response tokens (largest covariance) given the KL penalty")
     kl_cov_coef: float = _f(1.0, "kl_cov: coefficient of the |log w| penalty (paper: 1.0)")
+    correction: CorrectionConfig = field(default_factory=CorrectionConfig)
 
 
 @dataclass
@@ -203,6 +226,10 @@ class LoggingConfig:
     zero_signal_warn_steps: int = _f(
         3, "warn once when more than half of the sampled groups had zero reward variance for "
         "this many consecutive steps (0: never)")
+    drift_every: int = _f(
+        0, "every k steps, one more log-prob pass after the update to log the policy drift "
+        "log π_θ − log π_old apart from the engine mismatch log π_old − log π_rollout "
+        "(drift/*, see docs/corrections.md; 0: off)")
 
 
 @dataclass
@@ -449,6 +476,9 @@ def validate(cfg: TrainConfig) -> None:
     _check(0 < r.top_p <= 1, "rollout.top_p must be in (0, 1]")
     _check(r.top_k >= 0, "rollout.top_k must be >= 0")
     _check(r.engine in ("hf", "vllm"), f"rollout.engine: unknown engine '{r.engine}'")
+    _check(r.precision == "fp32" or (r.engine == "hf" and cfg.dtype == "float32"),
+           "rollout.precision=bf16 needs rollout.engine=hf and dtype=float32 (a bfloat16 copy "
+           "of the fp32 policy)")
     _check(0 < r.vllm_memory_fraction <= 1, "rollout.vllm_memory_fraction must be in (0, 1]")
     _check(r.max_turns >= 1, "rollout.max_turns must be >= 1")
     _check((r.max_turns > 1) == bool(r.env),
@@ -496,6 +526,7 @@ def validate(cfg: TrainConfig) -> None:
     _check(lo.alpha > 0 and 0 <= lo.dropout < 1, "lora.alpha must be > 0, lora.dropout in [0, 1)")
     _check(bool(lo.target_modules), "lora.target_modules must not be empty")
     _check(cfg.logging.samples_every >= 0, "logging.samples_every must be >= 0")
+    _check(cfg.logging.drift_every >= 0, "logging.drift_every must be >= 0")
     _check(0 <= cfg.reward.overlong_buffer <= r.max_new_tokens,
            "reward.overlong_buffer must be in [0, rollout.max_new_tokens]")
     _check(not cfg.reward.weights or len(cfg.reward.weights) == len(cfg.reward.functions),

@@ -12,6 +12,12 @@ from gspo.objectives.advantages import (
     reinforce_pp_baseline_advantages,
     rloo_advantages,
 )
+from gspo.objectives.corrections import (
+    CORRECTION_STAT_KINDS,
+    CORRECTIONS,
+    BoundCorrection,
+    bind_correction,
+)
 from gspo.objectives.family import (
     binary_kl,
     clip_cov_loss,
@@ -59,6 +65,8 @@ from gspo.objectives.spec import (
 
 __all__ = [
     "ADVANTAGES",
+    "CORRECTIONS",
+    "CORRECTION_STAT_KINDS",
     "EXTRA_STAT_KINDS",
     "LOG_RATIO_CLAMP",
     "OBJECTIVES",
@@ -69,6 +77,7 @@ __all__ = [
     "STAT_KIND_NAMES",
     "TRAINER_FIELDS",
     "AdvantageFn",
+    "BoundCorrection",
     "Objective",
     "PolicyLossFn",
     "Registry",
@@ -76,6 +85,7 @@ __all__ = [
     "UnknownNameError",
     "aggregation_row_weights",
     "binary_kl",
+    "bind_correction",
     "bind_objective",
     "cispo_loss",
     "clip_cov_loss",

@@ -20,7 +20,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gspo.config import ConfigError, ObjectiveConfig
+from gspo.config import ConfigError, CorrectionConfig, ObjectiveConfig
+from gspo.objectives.corrections import CORRECTION_STAT_KINDS, BoundCorrection, apply_weights
+from gspo.objectives.corrections import bind_correction as _bind_correction
 from gspo.objectives.loss_terms import LOG_RATIO_CLAMP
 from gspo.objectives.policy_losses import STAT_KINDS, valid_row_weights
 from gspo.objectives.registry import EXTRA_STAT_KINDS, OBJECTIVES, ROW_WEIGHTS, PolicyLossFn
@@ -28,7 +30,8 @@ from gspo.objectives.registry import EXTRA_STAT_KINDS, OBJECTIVES, ROW_WEIGHTS, 
 __all__ = ["TRAINER_FIELDS", "Objective", "bind_objective", "loss_options", "token_ratio_mean"]
 
 TRAINER_FIELDS: tuple[str, ...] = (
-    "name", "advantage", "scale_rewards", "num_minibatches", "epochs", "old_logprobs")
+    "name", "advantage", "scale_rewards", "num_minibatches", "epochs", "old_logprobs",
+    "correction")
 """Fields of :class:`gspo.config.ObjectiveConfig` that configure the trainer, not the loss:
 never passed to it. Every other field is an option of some loss."""
 
@@ -67,11 +70,13 @@ class Objective:
     ``options`` may leave out options that have a default; after construction it holds every
     option of the loss (defaults filled in). An unknown name raises
     :class:`gspo.objectives.UnknownNameError`, an option the loss does not take or a missing
-    required one ``TypeError``.
+    required one ``TypeError``. ``correction``: a bound behaviour correction
+    (:mod:`gspo.objectives.corrections`) or None (the loss as registered).
     """
 
     name: str
     options: Mapping[str, Any] = field(default_factory=dict)
+    correction: BoundCorrection | None = None
 
     def __post_init__(self) -> None:
         defaults = _option_defaults(self.name, OBJECTIVES[self.name])
@@ -94,18 +99,39 @@ class Objective:
     @property
     def stat_kinds(self) -> Mapping[str, str]:
         """Reduction kind of every stat key :meth:`loss` can return (see ``STAT_KINDS``),
-        with the loss's own extra stats (``EXTRA_STAT_KINDS``) where it declares any."""
+        with the loss's own extra stats (``EXTRA_STAT_KINDS``) where it declares any and the
+        correction's (``CORRECTION_STAT_KINDS``) where one is bound."""
         extra = EXTRA_STAT_KINDS.get(self.name, None)
-        return MappingProxyType(STAT_KINDS if extra is None else {**STAT_KINDS, **extra()})
+        kinds = dict(STAT_KINDS if extra is None else {**STAT_KINDS, **extra()})
+        if self.correction is not None:
+            kinds.update(CORRECTION_STAT_KINDS)
+        return MappingProxyType(kinds)
 
     def loss(self, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
-             *, ref_logprobs: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+             *, ref_logprobs: Tensor | None = None, rollout_logprobs: Tensor | None = None
+             ) -> tuple[Tensor, dict[str, Tensor]]:
         """The registered loss's ``(loss, stats)`` with the bound options; ``stats`` also
-        holds ``objective/token_ratio_mean`` (see :func:`token_ratio_mean`)."""
-        loss, stats = self.fn(logprobs, old_logprobs, advantages, mask,
-                              ref_logprobs=ref_logprobs, **self.options)
+        holds ``objective/token_ratio_mean`` (see :func:`token_ratio_mean`).
+
+        With a ``correction``, ``rollout_logprobs`` [B, T] (log π_rollout) is required: the
+        advantages are multiplied by the correction's detached weights (per sequence [B] or
+        per token [B, T]) and its stats are added."""
+        fn, options, extra = self.fn, self.options, {}
+        if self.correction is not None:
+            if rollout_logprobs is None:
+                raise ValueError(f"objective {self.name!r} with correction "
+                                 f"{self.correction.name!r} needs rollout_logprobs")
+            weights, extra = self.correction.weights(old_logprobs, rollout_logprobs, logprobs,
+                                                     advantages, mask)
+            advantages = apply_weights(advantages, weights)
+            if self.correction.via != self.name:  # a token-level correction's token form
+                fn = OBJECTIVES[self.correction.via]
+                options = {k: v for k, v in options.items()
+                           if k in _option_defaults(self.correction.via, fn)}
+        loss, stats = fn(logprobs, old_logprobs, advantages, mask,
+                         ref_logprobs=ref_logprobs, **options)
         ratio = token_ratio_mean(logprobs, old_logprobs, mask)
-        return loss, {**stats, "objective/token_ratio_mean": ratio}
+        return loss, {**stats, **extra, "objective/token_ratio_mean": ratio}
 
     def row_weights(self, mask: Tensor) -> Tensor:
         """w_i [N] float32 of the loss's mean over rows, Σ_i w_i term_i / Σ_i w_i, for the
@@ -136,5 +162,14 @@ def bind_objective(name: str, values: Mapping[str, Any],
 
 
 def objective_from_config(cfg: ObjectiveConfig) -> Objective:
-    """:func:`bind_objective` for a run's ``objective`` section."""
-    return bind_objective(cfg.name, dataclasses.asdict(cfg), dataclasses.asdict(ObjectiveConfig()))
+    """:func:`bind_objective` for a run's ``objective`` section, with its
+    ``objective.correction`` bound (:func:`gspo.objectives.corrections.bind_correction`)."""
+    objective = bind_objective(cfg.name, dataclasses.asdict(cfg),
+                               dataclasses.asdict(ObjectiveConfig()))
+    correction = _bind_correction(dataclasses.asdict(cfg.correction),
+                                  dataclasses.asdict(CorrectionConfig()), objective=cfg.name,
+                                  objective_options=objective.options,
+                                  old_logprobs=cfg.old_logprobs)
+    if correction is None:
+        return objective
+    return dataclasses.replace(objective, correction=correction)

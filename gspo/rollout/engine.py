@@ -52,6 +52,7 @@ class EngineOptions:
     """What a builder needs besides the model: everything comes from the run's config."""
 
     dtype: str = "float32"  # the policy's dtype (config ``dtype``)
+    precision: str = "fp32"  # hf: "bf16" samples from a bfloat16 copy (config rollout.precision)
     seed: int = 0
     record_routing: bool = False  # fill Rollout.routing (routing replay R3)
     fast_decode: bool = True  # hf: lean prefill and DenseDecoder steps where they apply

@@ -1,7 +1,14 @@
-"""``rollout.engine: hf``: gspo's own sampler on the policy module itself."""
+"""``rollout.engine: hf``: gspo's own sampler on the policy module itself, or on a bf16 copy.
+
+``rollout.precision: bf16`` samples from a bfloat16 copy of the fp32 policy (parameters cast,
+buffers such as the rotary frequencies kept): the reference source of train-inference mismatch
+(π_rollout ≠ π_old at identical weights). The copy follows the policy after every update
+(:meth:`HFEngine.sync_weights`, timed by the trainer as ``time/weight_sync_s``).
+"""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -11,22 +18,41 @@ from gspo.rollout.batch import Rollout
 from gspo.rollout.engine import ENGINES, EngineCapabilities, EngineOptions
 from gspo.rollout.sampler import SamplingParams, generate
 
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}  # rollout.precision -> the copy's dtype
+
+
+def low_precision_copy(model: Any, dtype: torch.dtype) -> Any:
+    """A frozen copy of ``model`` in eval mode with every parameter cast to ``dtype``
+    (buffers keep theirs; tied parameters stay tied)."""
+    twin = copy.deepcopy(model).eval()
+    for p in twin.parameters():
+        p.requires_grad_(False)
+        p.data = p.data.to(dtype)
+    return twin
+
 
 @ENGINES.register("hf")
 class HFEngine:
-    """gspo's own KV-cached sampler (:func:`gspo.rollout.sampler.generate`) on the policy module
-    itself: nothing to copy after an update, the log-probs are the policy's own in fp32."""
+    """gspo's own KV-cached sampler (:func:`gspo.rollout.sampler.generate`). At
+    ``precision=fp32`` it samples from the policy module itself: nothing to copy after an
+    update, the log-probs are the policy's own. At ``bf16`` it samples from a bf16 copy."""
 
     def __init__(self, model: Any, tokenizer: Any, opts: EngineOptions) -> None:
-        self.model, self.opts = model, opts
+        if opts.precision not in PRECISIONS:
+            raise ValueError(f"hf engine: precision must be one of {', '.join(PRECISIONS)}, "
+                             f"got {opts.precision!r}")
+        dtype = PRECISIONS[opts.precision]
+        self.opts = opts
+        self.model = model if dtype is None else low_precision_copy(model, dtype)
         self.eos, self.pad_id = eos_ids(model, tokenizer), tokenizer.pad_token_id
         self.capabilities = self.declared_capabilities(opts)
 
     @staticmethod
     def declared_capabilities(opts: EngineOptions) -> EngineCapabilities:
+        own = opts.precision == "fp32"
         return EngineCapabilities(returns_logprobs=True, routing_unsupported="",
-                                  precision=opts.dtype, shares_policy_weights=True,
-                                  per_rank=True)
+                                  precision=opts.dtype if own else "bfloat16",
+                                  shares_policy_weights=own, per_rank=True)
 
     @classmethod
     def start(cls, model: Any, tokenizer: Any, opts: EngineOptions) -> HFEngine:
@@ -40,10 +66,14 @@ class HFEngine:
                         record_routing=self.opts.record_routing,
                         fast_decode=self.opts.fast_decode)
 
+    @torch.no_grad()
     def sync_weights(self, policy: Any) -> None:
-        if policy is not self.model:
-            raise ValueError("the hf engine samples from the policy module it was built with")
+        if self.capabilities.shares_policy_weights:
+            if policy is not self.model:
+                raise ValueError("the hf engine samples from the policy module it was built with")
+            return
+        for dst, src in zip(self.model.parameters(), policy.parameters(), strict=True):
+            dst.copy_(src)  # casts to the copy's dtype
 
     def close(self) -> None:
         pass
-

@@ -44,8 +44,10 @@ class StepDiagnostics:
 
     @torch.no_grad()
     def observe(self, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
-                ref_logprobs: Tensor | None = None) -> None:
-        """One minibatch step's rows: log π_θ, log π_old, Â, response mask (all [B, T] but Â)."""
+                ref_logprobs: Tensor | None = None,
+                rollout_logprobs: Tensor | None = None) -> None:
+        """One minibatch step's rows: log π_θ, log π_old, Â, response mask (all [B, T] but Â),
+        and where the objective has them log π_ref and the behaviour policy's log π_rollout."""
         on = mask > 0
         lengths = on.sum(-1)
         valid = lengths > 0
@@ -58,10 +60,12 @@ class StepDiagnostics:
             if rows.numel() == 0:
                 continue
             ref = None if ref_logprobs is None else ref_logprobs[rows]
+            behaviour = None if rollout_logprobs is None else rollout_logprobs[rows]
             with warnings.catch_warnings():  # e.g. gspo aggregation=token warns on every call
                 warnings.simplefilter("ignore")
                 _, stats = self.objective.loss(logprobs.detach()[rows], old_logprobs[rows],
-                                               advantages[rows], mask[rows], ref_logprobs=ref)
+                                               advantages[rows], mask[rows], ref_logprobs=ref,
+                                               rollout_logprobs=behaviour)
             n = float(on[rows].sum())
             self.clipped[b] += float(stats["objective/clip_frac_tokens"]) * n
             self.tokens[b] += n

@@ -60,6 +60,7 @@ from gspo.trainer.evaluate import evaluate
 from gspo.trainer.guard import GuardStop
 from gspo.trainer.host import keep_freed_memory
 from gspo.trainer.metrics import MetricsLogger, mean_stats, rollout_metrics
+from gspo.trainer.mismatch import mismatch_metrics
 from gspo.trainer.moe_hooks import policy_hooks
 from gspo.trainer.reliability import Reliability
 from gspo.trainer.run_logs import log_sizes, truncate_logs
@@ -107,6 +108,7 @@ class OldPolicy:
     recomputed: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
     routing_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    after: torch.Tensor | None = None  # log π_θ after the update (logging.drift_every steps)
 
     def take_first_minibatch(self, result: UpdateResult) -> None:
         """Fill in the rows the update's first minibatch computed (see UpdatePlan)."""
@@ -244,7 +246,7 @@ class Trainer:
         """Check the config against what the engine declares it can do (routing for R3, one
         engine per rank under torchrun), build the MoE hooks, then start the engine."""
         cfg = self.cfg
-        opts = EngineOptions(dtype=cfg.dtype, seed=cfg.seed,
+        opts = EngineOptions(dtype=cfg.dtype, precision=cfg.rollout.precision, seed=cfg.seed,
                              record_routing=cfg.moe.routing_replay == "r3",
                              fast_decode=cfg.rollout.fast_decode,
                              memory_fraction=cfg.rollout.vllm_memory_fraction)
@@ -408,7 +410,7 @@ class Trainer:
         rows whose π_old the first minibatch's own forward gives exactly (θ = θ_old there)."""
         o = self.cfg.objective
         gen = torch.Generator().manual_seed(self.cfg.seed * 7_919 + self.step)
-        reuse = (self._recompute_old() and o.old_logprobs == "recompute"
+        reuse = (self._recompute_old() and o.old_logprobs in ("recompute", "decoupled")
                  and can_reuse_first_forward(self.model, self.dist, self.hooks))
         # One process: the batch may hold fewer groups (dynamic sampling past its cap).
         n = self.cfg.rollout.prompts_per_step * roll.group_size if self.dist.enabled else len(roll)
@@ -462,7 +464,7 @@ class Trainer:
         """Whether this step runs the trainer's π_old pass: always for ``old_logprobs=recompute``
         and for MoE policies (their routing), else every ``logging.rollout_check_every`` steps."""
         every = self.cfg.logging.rollout_check_every
-        return (self.cfg.objective.old_logprobs == "recompute" or self.hooks.active
+        return (self.cfg.objective.old_logprobs in ("recompute", "decoupled") or self.hooks.active
                 or (every > 0 and self.step % every == 0))
 
     def update_batch(self, roll: Rollout, adv: torch.Tensor, plan: UpdatePlan
@@ -478,12 +480,16 @@ class Trainer:
             old.recomputed, old.entropy, routing = self.old_logprobs(
                 padded, plan.old_pass_rows(len(roll)))
         routing, old.routing_metrics = self.hooks.rollout_routing(roll, routing, self.dist)
-        pi_old = old.recomputed if self.cfg.objective.old_logprobs == "recompute" else old.rollout
+        # recompute / decoupled: the trainer's π_old; rollout (§5.4): the engine's. Only a
+        # behaviour correction (decoupled, or rollout with one) sees π_rollout in the loss.
+        pi_old = old.rollout if self.cfg.objective.old_logprobs == "rollout" else old.recomputed
+        behaviour = old.rollout if self.objective.correction is not None else None
         mask = padded["response_mask"]
         if self.cfg.rollout.mask_truncated:  # zero loss weight; advantages are computed already
             mask = mask_truncated(mask, roll.truncated)
         batch = UpdateBatch(padded["input_ids"], padded["attention_mask"], mask, pi_old, adv,
-                            self.reference_logprobs(padded), routing)
+                            self.reference_logprobs(padded), routing,
+                            rollout_logprobs=behaviour)
         return batch, old
 
     def update(self, batch: UpdateBatch, plan: UpdatePlan) -> UpdateResult:
@@ -516,6 +522,7 @@ class Trainer:
             **old.routing_metrics,
             **roll.extras,
             **result.diagnostics,
+            **mismatch_metrics(old.rollout, old.recomputed, old.after, mask, self.dist),
             "train/skipped_updates": result.skipped,
             "train/lr": self.scheduler.get_last_lr()[0],
             **timer.metrics(),
@@ -539,6 +546,12 @@ class Trainer:
         with timer("update"):
             result = self.update(batch, plan)
         old.take_first_minibatch(result)
+        every = self.cfg.logging.drift_every
+        if every > 0 and self.step % every == 0:  # π_θ after the update: the policy drift
+            with timer("drift"):
+                old.after = self.old_logprobs({"input_ids": batch.input_ids,
+                                               "attention_mask": batch.attention_mask,
+                                               "response_mask": batch.response_mask})[0]
         if not self.engine.capabilities.shares_policy_weights:
             with timer("weight_sync"):
                 self.sync()

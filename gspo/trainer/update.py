@@ -42,6 +42,7 @@ class UpdateBatch:
     advantages: torch.Tensor  # [N]
     ref_logprobs: torch.Tensor | None = None  # [N, T] when beta > 0
     routing: list[torch.Tensor] | None = None  # MoE: π_old's experts per layer [N*T, k]
+    rollout_logprobs: torch.Tensor | None = None  # [N, T] log π_rollout, for a correction
 
     def rows(self, idx: torch.Tensor) -> UpdateBatch:
         """Rows ``idx``, cut to their longest sequence (no compute spent on shared padding);
@@ -50,7 +51,8 @@ class UpdateBatch:
         cut = lambda t: None if t is None else t[idx, :width]  # noqa: E731
         return UpdateBatch(cut(self.input_ids), cut(self.attention_mask),
                            cut(self.response_mask), cut(self.old_logprobs),
-                           self.advantages[idx], cut(self.ref_logprobs))
+                           self.advantages[idx], cut(self.ref_logprobs),
+                           rollout_logprobs=cut(self.rollout_logprobs))
 
 
 @dataclass(frozen=True)
@@ -190,7 +192,8 @@ def _step(model: Any, optimizer: Any, scheduler: Any, batch: UpdateBatch, local:
             batch.old_logprobs[local, width:] = 0.0
             result.first_rows, result.first_entropy = local, entropy
         loss, stats = objective.loss(logprobs, mb.old_logprobs, mb.advantages, mb.response_mask,
-                                     ref_logprobs=mb.ref_logprobs)
+                                     ref_logprobs=mb.ref_logprobs,
+                                     rollout_logprobs=mb.rollout_logprobs)
         grad_loss = loss * share if d.enabled else loss
         extra, extra_stats = hooks.extra_loss(model, moe_out, mb.attention_mask)
         if extra is not None:  # e.g. the router load-balancing loss, each rank's own
@@ -201,7 +204,7 @@ def _step(model: Any, optimizer: Any, scheduler: Any, batch: UpdateBatch, local:
             return None
         if diagnostics is not None and not empty:
             diagnostics.observe(logprobs, mb.old_logprobs, mb.advantages, mb.response_mask,
-                                mb.ref_logprobs)
+                                mb.ref_logprobs, mb.rollout_logprobs)
         grad_loss.backward()  # inside the hooks' block: checkpointing recomputes replay too
     gnorm = _grad_norm(model, grad_clip)
     if not torch.isfinite(gnorm):

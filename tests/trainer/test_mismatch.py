@@ -1,0 +1,105 @@
+"""Mismatch metrics, the bf16 engine copy, the decoupled / rollout π_old forms, and the
+default path pinned to the numbers it gave before any of this existed."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from gspo.config import load_config
+from gspo.trainer import Trainer
+from gspo.trainer.distributed import Dist
+from gspo.trainer.mismatch import mismatch_metrics
+
+
+def char_codes(prompts, completions, **_):
+    return [float(sum(map(ord, c)) % 97) for c in completions]
+
+
+def _cfg(tmp_path, name, *extra):
+    return load_config(None, [
+        "model=tiny:llama", f"output_dir={tmp_path}", f"run_name={name}", "progress=false",
+        "rollout.max_new_tokens=6", "rollout.prompts_per_step=4", "rollout.group_size=6",
+        "rollout.temperature=1.0", "task.eval_size=4", "optim.lr=3e-3", "steps=2",
+        "eval_before=false", *extra])
+
+
+def _rows(trainer):
+    return [json.loads(x) for x in open(trainer.run_dir / "metrics.jsonl")]
+
+
+def test_mismatch_metrics_match_a_plain_reference():
+    g = torch.Generator().manual_seed(0)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [0, 0, 0, 0]], dtype=torch.float32)
+    rollout = -torch.rand(3, 4, generator=g)
+    old = rollout + 0.1 * torch.randn(3, 4, generator=g)
+    after = old + 0.2 * torch.randn(3, 4, generator=g)
+    m = mismatch_metrics(rollout, old, after, mask, Dist())
+    on = mask > 0
+    d = [float(old[i, j]) - float(rollout[i, j]) for i in range(3) for j in range(4) if on[i, j]]
+    seq = [sum(float(old[i, j] - rollout[i, j]) for j in range(4) if on[i, j]) / int(on[i].sum())
+           for i in range(2)]
+    drift = [sum(float(after[i, j] - old[i, j]) for j in range(4) if on[i, j]) / int(on[i].sum())
+             for i in range(2)]
+    assert m["mismatch/token_log_ratio_mean"] == pytest.approx(sum(d) / len(d), rel=1e-6)
+    assert m["mismatch/token_log_ratio_abs_max"] == pytest.approx(max(map(abs, d)), rel=1e-6)
+    assert m["mismatch/seq_log_ratio_abs_max"] == pytest.approx(max(map(abs, seq)), rel=1e-6)
+    assert m["mismatch/seq_log_ratio_abs_p50"] == pytest.approx(
+        sum(map(abs, seq)) / 2, rel=1e-6)  # two values: the median is their mean
+    k3 = sum(math.exp(x) - 1 - x for x in d) / len(d)
+    assert m["mismatch/k3_kl"] == pytest.approx(k3, rel=1e-6)
+    e, dr = sum(map(abs, seq)), sum(map(abs, drift))
+    assert m["drift/engine_share"] == pytest.approx(e / (e + dr), rel=1e-6)
+    assert mismatch_metrics(rollout, None, None, mask, Dist()) == {}
+
+
+def test_default_path_is_bit_identical_to_before(tmp_path):
+    """Pinned from the code before corrections, the bf16 engine and the mismatch metrics
+    (commit e4ee655, this test's `_cfg`): the default path must give exactly these."""
+    trainer = Trainer(_cfg(tmp_path, "pin"), reward_fns=[char_codes]).setup()
+    trainer.train()
+    rows = [r for r in _rows(trainer) if "train/loss" in r]
+    assert [r["train/loss"] for r in rows] == [0.03265461325645447, 0.021655960008502007]
+    total = float(sum(p.detach().double().sum() for p in trainer.model.parameters()))
+    assert total == 327.4160806505088
+    assert rows[0]["mismatch/seq_log_ratio_abs_max"] < 1e-5  # fp32: sampler = trainer
+
+
+def test_bf16_engine_gives_mismatch_and_follows_the_policy(tmp_path):
+    trainer = Trainer(_cfg(tmp_path, "bf16", "rollout.precision=bf16",
+                           "logging.drift_every=1"), reward_fns=[char_codes]).setup()
+    engine = trainer.engine
+    assert engine.model is not trainer.model and not engine.capabilities.shares_policy_weights
+    assert {p.dtype for p in engine.model.parameters()} == {torch.bfloat16}
+    trainer.train()
+    for dst, src in zip(engine.model.parameters(), trainer.model.parameters()):
+        assert torch.equal(dst, src.detach().to(torch.bfloat16))  # synced after the update
+    row = [r for r in _rows(trainer) if "train/loss" in r][-1]
+    assert row["mismatch/token_log_ratio_abs_max"] > 1e-4  # bf16 vs fp32 at equal weights
+    assert row["mismatch/k3_kl"] > 0 and "time/weight_sync_s" in row
+    assert 0 < row["drift/engine_share"] < 1 and "drift/seq_log_ratio_abs_p99" in row
+
+
+@pytest.mark.parametrize("mode", ["decoupled", "rollout"])
+def test_pi_old_forms(tmp_path, mode):
+    """decoupled: π_old recomputed for the ratio, π_rollout only in the correction; rollout
+    (§5.4): the engine's log-probs are π_old."""
+    name = "tis" if mode == "decoupled" else "offpolicy_mask"
+    trainer = Trainer(_cfg(tmp_path, mode, "rollout.precision=bf16",
+                           f"objective.old_logprobs={mode}",
+                           f"objective.correction.name={name}"),
+                      reward_fns=[char_codes]).setup()
+    examples, roll = trainer.rollout()
+    rewards, _ = trainer.score(examples, roll)
+    plan = trainer.plan(roll)
+    batch, old = trainer.update_batch(roll, trainer.advantages(rewards, roll), plan)
+    assert torch.equal(batch.rollout_logprobs, old.rollout)
+    if mode == "decoupled":
+        assert batch.old_logprobs is old.recomputed  # π_old is the trainer's recompute
+        result = trainer.update(batch, plan)
+        old.take_first_minibatch(result)
+        assert not torch.equal(old.recomputed, old.rollout)
+        assert "correction/beyond_frac_tokens" in result.stats[0]
+    else:
+        assert torch.equal(batch.old_logprobs, old.rollout)
