@@ -15,7 +15,7 @@ from gspo.rewards import (
     resolve_reward,
 )
 
-BUILTIN = ["boxed_format", "code", "countdown", "math_verify", "numeric_match"]
+BUILTIN = ["boxed_format", "code", "countdown", "math_verify", "numeric_match", "reasoning_gym"]
 
 
 @pytest.fixture
@@ -44,7 +44,7 @@ def test_unknown_name_lists_the_registered_ones(rewards):
     with pytest.raises(RewardSpecError) as info:
         resolve_reward("nope")
     assert str(info.value) == ("unknown reward 'nope'; choose one of: boxed_format, code, "
-                               "countdown, math_verify, mine, numeric_match "
+                               "countdown, math_verify, mine, numeric_match, reasoning_gym "
                                "or give 'module:function'")
     with pytest.raises(UnknownNameError, match="choose one of: boxed_format, code, countdown"):
         REWARDS["nope"]
