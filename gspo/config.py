@@ -89,8 +89,9 @@ class RolloutConfig:
     temperature: float = _f(0.7, "sampling temperature (log-probs use the same temperature)")
     top_p: float = _f(1.0, "nucleus sampling; < 1 makes rollout log-probs differ from π")
     top_k: int = _f(0, "top-k sampling (0 = off, keeps log-probs equal to the policy's)")
-    engine: Literal["hf", "vllm"] = _f(
-        "hf", "rollout engine (gspo.rollout.ENGINES): 'hf' (own KV-cached sampler) or 'vllm'")
+    engine: Literal["hf", "vllm", "llamacpp"] = _f(
+        "hf", "rollout engine (gspo.rollout.ENGINES): 'hf' (own KV-cached sampler), 'vllm' or "
+        "'llamacpp' (llama.cpp on Q8_0 weights)")
     fast_decode: bool = _f(
         True, "engine=hf: prefill and decode steps of Llama/Qwen2/Qwen3 dense models skip "
         "forward()'s per-call overhead (same arithmetic; other models always use forward)")
@@ -393,7 +394,7 @@ def validate(cfg: TrainConfig) -> None:
     _check(r.temperature > 0, "rollout.temperature must be > 0 (greedy rollouts give no signal)")
     _check(0 < r.top_p <= 1, "rollout.top_p must be in (0, 1]")
     _check(r.top_k >= 0, "rollout.top_k must be >= 0")
-    _check(r.engine in ("hf", "vllm"), f"rollout.engine: unknown engine '{r.engine}'")
+    _check(r.engine in ("hf", "vllm", "llamacpp"), f"rollout.engine: unknown engine '{r.engine}'")
     _check(0 < r.vllm_memory_fraction <= 1, "rollout.vllm_memory_fraction must be in (0, 1]")
     _check(o.eps_low >= 0 and o.eps_high >= 0, "objective.eps_low/eps_high must be >= 0")
     _check(o.eps_low < 1, "objective.eps_low must be < 1")
