@@ -174,11 +174,16 @@ class LlamaCppEngine:
         self.llm = self.llama_cpp.Llama(model_path=str(path), n_ctx=self.n_ctx,
                                         n_batch=min(512, self.n_ctx), n_threads=self.n_threads,
                                         seed=self.opts.seed, verbose=False)
+        self.n_vocab = self.llm.n_vocab()
 
     def _logits(self) -> torch.Tensor:
-        """The logits after the last evaluated token, as a fresh fp32 tensor [1, V]."""
-        return torch.from_numpy(np.array(self.llm.scores[self.llm.n_tokens - 1],
-                                         dtype=np.float32))[None]
+        """The logits after the last evaluated token, as a fresh fp32 tensor [1, V].
+
+        Read from the context (``llama_get_logits_ith(ctx, -1)``): without ``logits_all``
+        ``Llama.eval`` keeps no copy in ``Llama.scores``, and ``logits_all`` would run the
+        output layer over every prompt token."""
+        ptr = self.llama_cpp.llama_get_logits_ith(self.llm.ctx, -1)
+        return torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy())[None]
 
     def generate(self, prompts: list[list[int]], *, group_size: int, params: SamplingParams,
                  seeds: list[int], greedy: bool = False) -> Rollout:
