@@ -77,7 +77,9 @@ def _tokenizer_fields(writer: Any, tokenizer: Any, model: Any) -> None:
     if backend is not None:
         model_json = json.loads(backend.to_str()).get("model", {})
         merges = [m if isinstance(m, str) else " ".join(m) for m in model_json.get("merges", [])]
-    writer.add_token_merges(merges)
+    # llama.cpp refuses a BPE vocabulary without merges (tiny models' byte tokenizer has
+    # none): one placeholder pair, never used since gspo passes ids, not text
+    writer.add_token_merges(merges or [f"{tokens[-2]} {tokens[-1]}"])
     for name, tid in (("bos", tokenizer.bos_token_id), ("eos", tokenizer.eos_token_id),
                       ("pad", tokenizer.pad_token_id)):
         if tid is not None:
