@@ -58,7 +58,8 @@ def run_engine(name: str, model: Any, tokenizer: Any, prompts: list[list[int]],
 
     params = SamplingParams(args.max_new_tokens, args.temperature)
     w0, c0 = now()
-    engine = build_engine(name, model, tokenizer, EngineOptions(seed=0))
+    dtype = args.vllm_dtype if name == "vllm" else "float32"
+    engine = build_engine(name, model, tokenizer, EngineOptions(dtype=dtype, seed=0))
     w1, c1 = now()
     out: dict[str, Any] = {"engine": name, "precision": engine.capabilities.precision,
                            "startup_s": w1 - w0, "startup_cpu_s": c1 - c0, "rounds": []}
@@ -157,6 +158,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--syncs", type=int, default=2)
+    p.add_argument("--vllm-dtype", default="bfloat16", help="dtype vLLM samples in")
     p.add_argument("--tag", default="")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
