@@ -53,7 +53,11 @@ class TaskConfig:
     eval_size: int = _f(100, "number of held-out problems evaluated before and after training")
     path: str = _f("", "task.name=jsonl: JSONL file; task.name=dataset: local JSON/JSONL/CSV/"
                    "Parquet file or folder, or a Hub dataset name (needs network)")
-    subset: str = _f("", "task.name=dataset: Hub configuration name (e.g. 'main' for gsm8k)")
+    subset: str = _f("", "task.name=dataset: Hub configuration name (e.g. 'main' for gsm8k); "
+                     "task.name=reasoning_gym: the reasoning-gym dataset (e.g. 'chain_sum')")
+    options: dict[str, Any] = _f(
+        {}, "task.name=reasoning_gym: fields of the dataset's config (difficulty), passed "
+        "through, e.g. task.options.max_terms=3")
     split: str = _f("train", "task.name=dataset: split to train on")
     eval_split: str = _f("", "task.name=dataset: held-out split (empty: hold out eval_size rows)")
     countdown_numbers: int = _f(3, "task.name=countdown: how many numbers each problem gives")
@@ -94,8 +98,9 @@ class RolloutConfig:
     temperature: float = _f(0.7, "sampling temperature (log-probs use the same temperature)")
     top_p: float = _f(1.0, "nucleus sampling; < 1 makes rollout log-probs differ from π")
     top_k: int = _f(0, "top-k sampling (0 = off, keeps log-probs equal to the policy's)")
-    engine: Literal["hf", "vllm"] = _f(
-        "hf", "rollout engine (gspo.rollout.ENGINES): 'hf' (own KV-cached sampler) or 'vllm'")
+    engine: Literal["hf", "vllm", "llamacpp"] = _f(
+        "hf", "rollout engine (gspo.rollout.ENGINES): 'hf' (own KV-cached sampler), 'vllm' or "
+        "'llamacpp' (llama.cpp on Q8_0 weights)")
     fast_decode: bool = _f(
         True, "engine=hf: prefill and decode steps of Llama/Qwen2/Qwen3 dense models skip "
         "forward()'s per-call overhead (same arithmetic; other models always use forward)")
@@ -342,6 +347,10 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             choices = ", ".join(repr(a) for a in typing.get_args(tp))
             raise ConfigError(f"{key}: {value!r} is not one of {choices}")
         return value
+    if origin is dict:  # dict[str, Any]: string keys, YAML values passed through as parsed
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise ConfigError(f"{key}: expected a mapping with string keys, got {value!r}")
+        return dict(value)
     if origin in (list,):
         (item_tp,) = typing.get_args(tp)
         if not isinstance(value, list):
@@ -395,6 +404,8 @@ def _merge(obj: Any, data: dict[str, Any], prefix: str = "") -> None:
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
             _merge(getattr(obj, key), value, f"{full}.")
+        elif typing.get_origin(tp) is dict:  # mappings merge: a.b.x=1 a.b.y=2 keeps both
+            setattr(obj, key, {**getattr(obj, key), **_coerce(value, tp, full)})
         else:
             setattr(obj, key, _coerce(value, tp, full))
 
@@ -475,7 +486,7 @@ def validate(cfg: TrainConfig) -> None:
     _check(r.temperature > 0, "rollout.temperature must be > 0 (greedy rollouts give no signal)")
     _check(0 < r.top_p <= 1, "rollout.top_p must be in (0, 1]")
     _check(r.top_k >= 0, "rollout.top_k must be >= 0")
-    _check(r.engine in ("hf", "vllm"), f"rollout.engine: unknown engine '{r.engine}'")
+    _check(r.engine in ("hf", "vllm", "llamacpp"), f"rollout.engine: unknown engine '{r.engine}'")
     _check(r.precision == "fp32" or (r.engine == "hf" and cfg.dtype == "float32"),
            "rollout.precision=bf16 needs rollout.engine=hf and dtype=float32 (a bfloat16 copy "
            "of the fp32 policy)")
@@ -518,6 +529,13 @@ def validate(cfg: TrainConfig) -> None:
     _check(t.name not in ("jsonl", "dataset") or bool(t.path),
            f"task.path is required when task.name={t.name}")
     _check(2 <= t.countdown_numbers <= 6, "task.countdown_numbers must be in 2..6")
+    _check(t.name == "reasoning_gym" or not t.options,
+           f"task.options is used only by task.name=reasoning_gym (task.name={t.name})")
+    _check(t.name != "reasoning_gym" or bool(t.subset),
+           "task.name=reasoning_gym needs task.subset=<dataset> (e.g. chain_sum)")
+    _check(t.name != "reasoning_gym" or "numeric_match" not in cfg.reward.functions,
+           "task.name=reasoning_gym: score with the dataset's own verifier, "
+           "reward.functions=[reasoning_gym]")
     _check(t.name != "countdown" or "numeric_match" not in cfg.reward.functions,
            "task.name=countdown: numeric_match would reward echoing the target; "
            "use reward.functions=[countdown]")

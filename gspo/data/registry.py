@@ -19,6 +19,7 @@ from gspo.data.base import DataError, DatasetTask, Task, hold_out
 from gspo.data.builtin import CountdownTask, gsm8k_mini_task
 from gspo.data.datasets import load_jsonl
 from gspo.data.hf import dataset_task
+from gspo.data.reasoning_gym import ReasoningGymTask
 from gspo.data.tasks import ArithmeticTask
 from gspo.registry import Registry
 
@@ -55,6 +56,12 @@ def jsonl_task(cfg: TaskConfig, seed: int) -> DatasetTask:
 
 
 TASKS.register("dataset")(dataset_task)
+
+
+@TASKS.register("reasoning_gym")
+def reasoning_gym_task(cfg: TaskConfig, seed: int) -> ReasoningGymTask:
+    """``task.subset`` of reasoning-gym with ``task.options``; score with its own verifier."""
+    return ReasoningGymTask(cfg.subset, cfg.options, cfg.eval_size, seed)
 
 
 def build_task(cfg: TaskConfig, seed: int) -> Task:

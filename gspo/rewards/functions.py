@@ -14,6 +14,7 @@ from typing import Any
 
 from gspo.registry import Registry
 from gspo.rewards.math import boxed_format_reward, countdown_reward, math_verify_reward
+from gspo.rewards.reasoning_gym import reasoning_gym_reward
 
 RewardFn = Callable[..., list]
 REWARDS: Registry[RewardFn] = Registry("reward function")
@@ -113,3 +114,13 @@ def countdown(prompts: list[str], completions: list[str], *, numbers: list[Any],
     """1.0 when the response's expression reaches ``target`` using each of ``numbers`` at most
     once (task.name=countdown); see :func:`gspo.rewards.math.countdown_reward`."""
     return countdown_reward(prompts, completions, numbers=numbers, target=target, **columns)
+
+
+@register_reward("reasoning_gym")
+def reasoning_gym(prompts: list[str], completions: list[str], *, rg_dataset: list[str],
+                  rg_options: list[Any], rg_entry: list[Any], **columns: Any
+                  ) -> list[float | None]:
+    """The reasoning-gym dataset's own verifier (task.name=reasoning_gym); see
+    :func:`gspo.rewards.reasoning_gym.reasoning_gym_reward`."""
+    return reasoning_gym_reward(prompts, completions, rg_dataset=rg_dataset,
+                                rg_options=rg_options, rg_entry=rg_entry, **columns)

@@ -3,7 +3,7 @@
 Importing this package registers the engines in :data:`gspo.rollout.engine.ENGINES`.
 """
 
-from gspo.rollout import hf_engine, vllm_engine  # noqa: F401  (they register themselves)
+from gspo.rollout import hf_engine, llamacpp_engine, vllm_engine  # noqa: F401  (they register themselves)
 from gspo.rollout.batch import Rollout, pad_batch
 from gspo.rollout.engine import (
     ENGINES,

@@ -9,7 +9,7 @@ from gspo.config import TaskConfig
 from gspo.data import TASKS, DataError, DatasetTask, Example, Task, build_task
 from gspo.registry import Registry, UnknownNameError
 
-BUILTIN = ["arithmetic", "countdown", "dataset", "gsm8k_mini", "jsonl"]
+BUILTIN = ["arithmetic", "countdown", "dataset", "gsm8k_mini", "jsonl", "reasoning_gym"]
 
 
 @pytest.fixture
@@ -38,7 +38,7 @@ def test_unknown_name_lists_the_registered_ones(tasks):
     with pytest.raises(DataError) as info:
         build_task(TaskConfig(name="nope"), seed=0)
     assert str(info.value) == ("task.name: unknown task 'nope' (choose arithmetic, countdown, "
-                               "dataset, gsm8k_mini, jsonl or mine)")
+                               "dataset, gsm8k_mini, jsonl, mine or reasoning_gym)")
     with pytest.raises(UnknownNameError, match="unknown task 'nope'; choose one of: arithmetic"):
         TASKS["nope"]
 

@@ -16,7 +16,7 @@ from gspo.rewards import (
 )
 
 BUILTIN = ["boxed_format", "code", "countdown", "final_numeric_match", "math_verify",
-           "numeric_match"]
+           "numeric_match", "reasoning_gym"]
 
 
 @pytest.fixture
@@ -46,7 +46,7 @@ def test_unknown_name_lists_the_registered_ones(rewards):
         resolve_reward("nope")
     assert str(info.value) == ("unknown reward 'nope'; choose one of: boxed_format, code, "
                                "countdown, final_numeric_match, math_verify, mine, "
-                               "numeric_match "
+                               "numeric_match, reasoning_gym "
                                "or give 'module:function'")
     with pytest.raises(UnknownNameError, match="choose one of: boxed_format, code, countdown"):
         REWARDS["nope"]

@@ -1,0 +1,95 @@
+"""task.name=reasoning_gym: the split, options, resume, and scoring with the dataset's verifier."""
+
+from __future__ import annotations
+
+import pytest
+
+from gspo.config import ConfigError, TaskConfig, load_config
+from gspo.data import DataError, Task, build_task
+from gspo.data.base import is_held_out
+from gspo.rewards import RewardScorer, resolve_reward
+
+pytest.importorskip("reasoning_gym")
+
+DATASETS = ["chain_sum", "leg_counting", "letter_counting"]
+
+
+def _task(subset: str, seed: int = 0, eval_size: int = 8, options: dict | None = None):
+    return build_task(TaskConfig(name="reasoning_gym", subset=subset, options=options or {},
+                                 eval_size=eval_size), seed)
+
+
+@pytest.mark.parametrize("subset", DATASETS)
+def test_split_is_disjoint_seeded_and_follows_the_protocol(subset):
+    task = _task(subset)
+    assert isinstance(task, Task)
+    train = task.sample(60)
+    held = {ex.prompt for ex in task.eval_examples}
+    assert len(held) == 8 and all(is_held_out(p) for p in held)
+    assert not held & {ex.prompt for ex in train}
+    again = _task(subset)
+    assert [ex.prompt for ex in again.sample(60)] == [ex.prompt for ex in train]
+    assert [ex.prompt for ex in again.eval_examples] == [ex.prompt for ex in task.eval_examples]
+    other = _task(subset, seed=1)
+    assert [ex.prompt for ex in other.sample(10)] != [ex.prompt for ex in train[:10]]
+
+
+@pytest.mark.parametrize("subset", DATASETS)
+def test_the_reference_answer_scores_one_and_junk_scores_less(subset):
+    examples = _task(subset).sample(6)
+    reward = resolve_reward("reasoning_gym")
+    columns = {k: [ex.columns[k] for ex in examples] for k in examples[0].columns}
+    prompts = [ex.prompt for ex in examples]
+    tagged = [f"Let me think.\n<answer>{ex.answer}</answer>" for ex in examples]
+    assert reward(prompts, tagged, **columns) == [1.0] * 6
+    assert reward(prompts, [ex.answer for ex in examples], **columns) == [1.0] * 6  # untagged
+    junk = reward(prompts, ["<answer>zebra</answer>"] * 6, **columns)
+    assert all(r is not None and r < 1.0 for r in junk)
+
+
+def test_options_reach_the_generator_and_bad_ones_are_one_line_errors():
+    easy = _task("chain_sum", options={"min_terms": 2, "max_terms": 2})
+    for ex in easy.sample(20):
+        assert ex.columns["rg_entry"]["metadata"]["num_terms"] == 2
+    with pytest.raises(DataError, match=r"task\.options for reasoning-gym 'chain_sum'"):
+        _task("chain_sum", options={"no_such_field": 1})
+    with pytest.raises(DataError, match=r"task\.options\.seed: set by gspo"):
+        _task("chain_sum", options={"seed": 3})
+    with pytest.raises(DataError, match="'nope' is not a reasoning-gym dataset"):
+        _task("nope")
+
+
+def test_resume_continues_the_same_draws():
+    task = _task("leg_counting")
+    task.sample(5)
+    state = task.state_dict()
+    expected = [ex.prompt for ex in task.sample(5)]
+    fresh = _task("leg_counting")
+    fresh.load_state_dict(state)
+    assert [ex.prompt for ex in fresh.sample(5)] == expected
+
+
+def test_scorer_through_the_runs_reward_path():
+    examples = _task("chain_sum").sample(4)
+    scorer = RewardScorer.from_specs(["reasoning_gym"])
+    columns = {"answer": [ex.answer for ex in examples]}
+    columns |= {k: [ex.columns[k] for ex in examples] for k in examples[0].columns}
+    total, _ = scorer([ex.prompt for ex in examples],
+                      [f"<answer>{ex.answer}</answer>" for ex in examples[:2]] + ["no", "no"],
+                      columns)
+    assert total == [1.0, 1.0, 0.0, 0.0]
+
+
+def test_config_checks():
+    cfg = load_config(None, ["task.name=reasoning_gym", "task.subset=chain_sum",
+                             "reward.functions=[reasoning_gym]", "task.options.max_terms=3",
+                             "task.options.min_terms=2"])
+    assert cfg.task.options == {"max_terms": 3, "min_terms": 2}  # dotted keys merge
+    with pytest.raises(ConfigError, match=r"task\.options is used only by"):
+        load_config(None, ["task.options.max_terms=3"])
+    with pytest.raises(ConfigError, match=r"needs task\.subset"):
+        load_config(None, ["task.name=reasoning_gym", "reward.functions=[reasoning_gym]"])
+    with pytest.raises(ConfigError, match=r"reward\.functions=\[reasoning_gym\]"):
+        load_config(None, ["task.name=reasoning_gym", "task.subset=chain_sum"])
+    with pytest.raises(ConfigError, match="expected a mapping"):
+        load_config(None, ["task.options=3"])
