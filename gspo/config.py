@@ -94,6 +94,12 @@ class RolloutConfig:
         0.3, "engine=vllm: share of the device's memory (CPU backend: of RAM) vLLM reserves "
         "for weights and KV cache; training shares the device")
     eval_max_new_tokens: int = _f(24, "response cap for greedy evaluation")
+    async_steps: int = _f(
+        0, "k > 0: the engine samples in its own process up to k steps ahead, step t's batch "
+        "from the policy after max(0, t-k) updates (staleness <= k; engine=hf, one process, "
+        "dense policy); 0: rollout and update in sequence (see gspo.trainer.async_rollout)")
+    async_threads: int = _f(1, "async_steps > 0: torch threads of the engine process (the "
+                            "trainer keeps num_threads; on 2 cores use num_threads=1)")
 
 
 @dataclass
@@ -385,6 +391,12 @@ def validate(cfg: TrainConfig) -> None:
     _check(r.top_k >= 0, "rollout.top_k must be >= 0")
     _check(r.engine in ("hf", "vllm"), f"rollout.engine: unknown engine '{r.engine}'")
     _check(0 < r.vllm_memory_fraction <= 1, "rollout.vllm_memory_fraction must be in (0, 1]")
+    _check(r.async_steps >= 0, "rollout.async_steps must be >= 0")
+    _check(r.async_threads >= 1, "rollout.async_threads must be >= 1")
+    _check(r.async_steps > 0 or r.async_threads == 1,
+           "rollout.async_threads is used only with rollout.async_steps > 0")
+    _check(r.async_steps == 0 or r.engine == "hf",
+           "rollout.async_steps > 0 needs rollout.engine=hf (an async vLLM server is not built)")
     _check(o.eps_low >= 0 and o.eps_high >= 0, "objective.eps_low/eps_high must be >= 0")
     _check(o.eps_low < 1, "objective.eps_low must be < 1")
     _check(o.beta >= 0, "objective.beta must be >= 0")

@@ -43,8 +43,10 @@ from gspo.rollout import (
     engine_capabilities,
     pad_batch,
 )
+from gspo.rollout.async_engine import Request
 from gspo.rollout.engine import weights_for_rollout
 from gspo.trainer import distributed
+from gspo.trainer.async_rollout import AsyncRollout, drift_metrics
 from gspo.trainer.checkpoint import (
     cuda_rng_state,
     extra_rng_state,
@@ -104,6 +106,7 @@ class OldPolicy:
     recomputed: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
     routing_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    behaviour: torch.Tensor | None = None  # async: log π_v (behaviour weights), trainer's pass
 
     def take_first_minibatch(self, result: UpdateResult) -> None:
         """Fill in the rows the update's first minibatch computed (see UpdatePlan)."""
@@ -158,6 +161,7 @@ class Trainer:
         self.ref_model: Any = None
         self.dist: distributed.Dist
         self.engine: Any = None
+        self.async_rollout: AsyncRollout | None = None  # rollout.async_steps > 0
         self.hooks: Any
         self.logprob_fn: Any
         self.lean = self.inference = False
@@ -196,6 +200,8 @@ class Trainer:
         self.dist = distributed.prepare(cfg, self.model, self.ref_model)
         self._start_engine()  # on the final policy, once the config fits what it can do
         self._choose_passes()
+        # The pipeline's process starts at the end of setup, on the restored weights.
+        self.async_rollout = self._async_rollout(cfg.rollout.async_steps)
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad], lr=cfg.optim.lr,
             betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay,
@@ -212,6 +218,8 @@ class Trainer:
                                resume_step=self.step if resume_ckpt else -1)
         self.logger = (with_trackers(logger, cfg.logging, self.run_dir, to_dict(cfg))
                        if self.dist.is_main else logger)
+        if self.async_rollout is not None:  # on the restored weights: policy version `step`
+            self.async_rollout.start(self.model, self.tokenizer, version=self.step)
         return self
 
     @property
@@ -238,6 +246,7 @@ class Trainer:
                              record_routing=cfg.moe.routing_replay == "r3",
                              fast_decode=cfg.rollout.fast_decode,
                              memory_fraction=cfg.rollout.vllm_memory_fraction)
+        self.engine_opts = opts
         caps = engine_capabilities(cfg.rollout.engine, opts)
         self.hooks = policy_hooks(self.model, cfg.moe, caps, engine=cfg.rollout.engine,
                                   name=cfg.model)
@@ -256,6 +265,25 @@ class Trainer:
         self.logprob_fn = functools.partial(
             shared_prefix_logprobs if packed else token_logprobs, lean=self.lean)
         self.inference = self.lean and inference_safe(self.model)  # π_old pass, see there
+
+    def _async_rollout(self, k: int) -> AsyncRollout | None:
+        """``rollout.async_steps = k > 0``: the pipeline (gspo.trainer.async_rollout), checked
+        against what it supports; None for the synchronous loop (k = 0)."""
+        return self._pipeline(k) if k > 0 else None
+
+    def _pipeline(self, k: int) -> AsyncRollout:
+        cfg = self.cfg
+        if self.dist.enabled or self.hooks.active:
+            raise ConfigError("rollout.async_steps > 0 needs one process and a dense policy "
+                              "for now (no torchrun, no MoE routing hooks)")
+        every = cfg.logging.rollout_check_every
+        recompute = cfg.objective.old_logprobs == "recompute"
+        return AsyncRollout(
+            k=k, total_steps=cfg.steps, draw=self._request,
+            check=lambda step: recompute or (every > 0 and step % every == 0),
+            engine=cfg.rollout.engine, opts=self.engine_opts,
+            threads=cfg.rollout.async_threads, logprob_fn=self.logprob_fn,
+            temperature=cfg.rollout.temperature, chunk=cfg.logprob_chunk, pad_id=self.pad_id)
 
     def _resume_checkpoint(self) -> Path | None:
         if not self.cfg.resume:
@@ -310,6 +338,8 @@ class Trainer:
         self.baseline_eval = state.get("baseline_eval")
         self.final_eval = state.get("final_eval")
         self.saved_step = self.step
+        if self.async_rollout is not None:
+            self.async_rollout.load_state_dict(state.get("async"))
         return state.get("guard")
 
     def save_checkpoint(self) -> Path:
@@ -324,6 +354,8 @@ class Trainer:
                  "baseline_eval": self.baseline_eval, "final_eval": self.final_eval,
                  "guard": guard.state_dict(), "rng": extra_rng_state(),
                  "log_sizes": log_sizes(self.run_dir)}
+        if self.async_rollout is not None:  # the in-flight batches (waits for them)
+            state["async"] = self.async_rollout.state_dict()
         good = guard.last_good_step
         path = self.run_dir / "checkpoints" / f"step_{self.step:06d}"
         if self.dist.is_main:
@@ -338,7 +370,19 @@ class Trainer:
     # ------------------------------------------------------------------ the step's phases
     def rollout(self) -> tuple[list[Any], Rollout]:
         """This rank's share of the step's prompts (all of them in one process) and their
-        ``group_size`` samples each, from the rollout engine."""
+        ``group_size`` samples each, from the rollout engine (async: from the pipeline, which
+        drew them earlier; its ``async/*`` timings and staleness in ``Rollout.extras``)."""
+        if self.async_rollout is not None:
+            return self.async_rollout.next(self.step)
+        examples, req = self._request(self.step)
+        with weights_for_rollout(self.engine, lambda: self.dist.full_weights(self.model)):
+            roll = self.engine.generate(req.prompts, group_size=req.group_size,
+                                        params=req.params, seeds=req.seeds)
+        return examples, roll
+
+    def _request(self, step: int) -> tuple[list[Any], Request]:
+        """The prompts of ``step`` (drawn from the task: call once per step, in order), their
+        sampling seeds and parameters."""
         cfg = self.cfg.rollout
         # Every rank draws the same prompts and keeps whole groups: advantages stay local.
         examples = self.task.sample(cfg.prompts_per_step)
@@ -349,13 +393,10 @@ class Trainer:
                                  system_prompt=task.system_prompt) for ex in examples]
         # Sampling is a function of (seed, step, prompt index): resume is exact, and the
         # responses do not depend on how the prompts are split across ranks.
-        seeds = [(self.cfg.seed * 1_000_003 + self.step) * 65_537 + lo + i
+        seeds = [(self.cfg.seed * 1_000_003 + step) * 65_537 + lo + i
                  for i in range(len(prompts))]
         params = SamplingParams(cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k)
-        with weights_for_rollout(self.engine, lambda: self.dist.full_weights(self.model)):
-            roll = self.engine.generate(prompts, group_size=cfg.group_size, params=params,
-                                        seeds=seeds)
-        return examples, roll
+        return examples, Request(step, step, prompts, cfg.group_size, params, seeds, False)
 
     def score(self, examples: list[Any], roll: Rollout) -> tuple[torch.Tensor, dict[str, float]]:
         """Rewards of the global batch (NaN: unscorable) and the per-function reward metrics."""
@@ -392,7 +433,7 @@ class Trainer:
         rows whose π_old the first minibatch's own forward gives exactly (θ = θ_old there)."""
         o = self.cfg.objective
         gen = torch.Generator().manual_seed(self.cfg.seed * 7_919 + self.step)
-        reuse = (self._recompute_old() and o.old_logprobs == "recompute"
+        reuse = (self._recompute_old() and self._old_is_current()
                  and can_reuse_first_forward(self.model, self.dist, self.hooks))
         return plan_update(self.cfg.rollout.prompts_per_step * roll.group_size,
                            num_minibatches=o.num_minibatches, epochs=o.epochs, generator=gen,
@@ -440,11 +481,18 @@ class Trainer:
             return token_logprobs(self.ref_model, *args, **kw)[0]
         return reference_logprobs(self.model, *args, **kw)  # LoRA: the adapter disabled
 
+    def _old_is_current(self) -> bool:
+        """Whether the loss's π_old is the trainer's pass on this step's weights: with
+        ``old_logprobs=recompute`` in the synchronous loop (async: the behaviour policy's
+        weights are older, and the engine process ran that pass on them)."""
+        return self.cfg.objective.old_logprobs == "recompute" and self.async_rollout is None
+
     def _recompute_old(self) -> bool:
         """Whether this step runs the trainer's π_old pass: always for ``old_logprobs=recompute``
-        and for MoE policies (their routing), else every ``logging.rollout_check_every`` steps."""
+        and for MoE policies (their routing), else every ``logging.rollout_check_every`` steps
+        (async: only then, and it measures the staleness drift)."""
         every = self.cfg.logging.rollout_check_every
-        return (self.cfg.objective.old_logprobs == "recompute" or self.hooks.active
+        return (self._old_is_current() or self.hooks.active
                 or (every > 0 and self.step % every == 0))
 
     def update_batch(self, roll: Rollout, adv: torch.Tensor, plan: UpdatePlan
@@ -461,6 +509,12 @@ class Trainer:
                 padded, plan.old_pass_rows(len(roll)))
         routing, old.routing_metrics = self.hooks.rollout_routing(roll, routing, self.dist)
         pi_old = old.recomputed if self.cfg.objective.old_logprobs == "recompute" else old.rollout
+        if self.async_rollout is not None:  # π_old is the behaviour policy (see async_rollout)
+            if roll.trainer_logprobs is not None:
+                old.behaviour = pad_batch(roll.prompt_ids, roll.response_ids, self.pad_id,
+                                          roll.trainer_logprobs)["old_logprobs"]
+            recompute = self.cfg.objective.old_logprobs == "recompute"
+            pi_old = old.behaviour if recompute else old.rollout
         batch = UpdateBatch(padded["input_ids"], padded["attention_mask"],
                             padded["response_mask"], pi_old, adv,
                             self.reference_logprobs(padded), routing)
@@ -485,7 +539,12 @@ class Trainer:
         if old.recomputed is not None:  # the trainer's π_old against the engine's log-probs
             gap = ((old.recomputed - old.rollout) * mask).sum(1) / mask.sum(1).clamp(min=1)
         padded = {"response_mask": mask, "attention_mask": batch.attention_mask}
+        if self.async_rollout is not None:
+            gap = None if old.behaviour is None else (  # the engine's own mismatch
+                ((old.behaviour - old.rollout) * mask).sum(1) / mask.sum(1).clamp(min=1))
+            roll.extras.update(drift_metrics(old.rollout, old.behaviour, old.recomputed, mask))
         return {
+            **roll.extras,
             **{k: float(v) for k, v in group_stats(rewards, roll.group_size).items()},
             **mean_stats(result.stats, stat_kinds(self.objective, self.hooks)),
             **self.hooks.step_metrics(result.stats),
@@ -511,7 +570,10 @@ class Trainer:
         with timer("update"):
             result = self.update(batch, plan)
         old.take_first_minibatch(result)
-        if not self.engine.capabilities.shares_policy_weights:
+        if self.async_rollout is not None:  # version step+1, for the batch of step+1+k
+            with timer("weight_sync"):
+                self.async_rollout.publish(self.model, self.step + 1)
+        elif not self.engine.capabilities.shares_policy_weights:
             with timer("weight_sync"):
                 self.sync()
         return {**reward_metrics, **self.step_metrics(rewards, roll, batch, old, result, timer)}
@@ -636,9 +698,12 @@ class Trainer:
         ``barrier=False`` after an error: the other ranks may be waiting in a collective."""
         if self.engine is not None:
             self.engine.close()
+        if self.async_rollout is not None:
+            self.async_rollout.close()
         if self.logger is not None:
             self.logger.close()
         # FSDP2 can abort at exit when the policy and optimizer outlive the process group.
+        self.async_rollout = None
         self.engine = self.model = self.ref_model = self.optimizer = self.scheduler = None
         distributed.shutdown(barrier=barrier)
 
