@@ -1,6 +1,7 @@
 """Summarise the runs of ``scripts/gpu_check.sh``: one Markdown row per run folder.
 
     python scripts/gpu_check_summary.py OUT_DIR NAME RUN_DIR [PEAK_MIB]
+    python scripts/gpu_check_summary.py --phases RUN_DIR...   (per-phase medians, Markdown)
 
 Appends to ``OUT_DIR/results.md`` (and ``results.jsonl``): seconds per step (median over the
 steps after the first, which includes warm-up), response tokens per second (sampled tokens /
@@ -41,7 +42,22 @@ def summarise(run_dir: Path) -> dict[str, float | int | None]:
             "staleness_drift_abs_mean": statistics.mean(drift) if drift else None}
 
 
+def phases(run_dir: Path) -> str:
+    """One Markdown list item: the median of each ``time/*`` phase over steps 2..N."""
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()
+            if x.strip()]
+    rows = [r for r in rows if "train/loss" in r]
+    rows = rows[1:] or rows
+    keys = sorted({k for r in rows for k in r if k.startswith("time/")})
+    cells = [f"{k[5:-2]} {statistics.median(r.get(k, 0.0) for r in rows):.2f}" for k in keys]
+    return f"- {run_dir.name}: " + ", ".join(cells)
+
+
 def main(argv: list[str]) -> int:
+    if argv and argv[0] == "--phases":
+        print("\nPer phase, median over steps 2..N (s):\n")
+        print("\n".join(phases(Path(p)) for p in argv[1:]))
+        return 0
     out, name, run = Path(argv[0]), argv[1], Path(argv[2])
     peak = argv[3] if len(argv) > 3 else "n/a"
     s = summarise(run)

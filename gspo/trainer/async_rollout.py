@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from gspo.config import ConfigError
 from gspo.data.base import Example
 from gspo.rollout.async_engine import AsyncEngine, Recompute, Request, decode
 from gspo.rollout.batch import Rollout
@@ -112,7 +113,7 @@ class AsyncRollout:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["k"] != self.k:
-            raise ValueError(f"resume: the run was checkpointed with rollout.async_steps="
+            raise ConfigError(f"resume: the run was checkpointed with rollout.async_steps="
                              f"{state['k']}, not {self.k}")
         self.submitted = state["submitted"]
         self.ready = {int(s): ([Example(**e) for e in v["examples"]], v["rollout"])

@@ -273,9 +273,9 @@ class Trainer:
 
     def _pipeline(self, k: int) -> AsyncRollout:
         cfg = self.cfg
-        if self.dist.enabled or self.hooks.active:
-            raise ConfigError("rollout.async_steps > 0 needs one process and a dense policy "
-                              "for now (no torchrun, no MoE routing hooks)")
+        if self.dist.enabled or self.hooks.active or cfg.lora.r:
+            raise ConfigError("rollout.async_steps > 0 needs one process and a dense, fully "
+                              "fine-tuned policy for now (no torchrun, MoE routing hooks, LoRA)")
         every = cfg.logging.rollout_check_every
         recompute = cfg.objective.old_logprobs == "recompute"
         return AsyncRollout(
@@ -338,8 +338,11 @@ class Trainer:
         self.baseline_eval = state.get("baseline_eval")
         self.final_eval = state.get("final_eval")
         self.saved_step = self.step
+        if ("async" in state) != (self.async_rollout is not None):
+            raise ConfigError("resume: rollout.async_steps must be 0 in both runs or > 0 in "
+                              "both (the checkpoint holds in-flight batches only when > 0)")
         if self.async_rollout is not None:
-            self.async_rollout.load_state_dict(state.get("async"))
+            self.async_rollout.load_state_dict(state["async"])
         return state.get("guard")
 
     def save_checkpoint(self) -> Path:
