@@ -128,6 +128,12 @@ class RolloutConfig:
     mask_truncated: bool = _f(
         False, "responses cut at max_new_tokens get zero loss weight (DAPO overlong filtering, "
         "TRL mask_truncated_completions); they still count in their group's advantages")
+    async_steps: int = _f(
+        0, "k > 0: the engine samples in its own process up to k steps ahead, step t's batch "
+        "from the policy after max(0, t-k) updates (staleness <= k; engine=hf, one process, "
+        "dense policy); 0: rollout and update in sequence (see gspo.trainer.async_rollout)")
+    async_threads: int = _f(1, "async_steps > 0: torch threads of the engine process (the "
+                            "trainer keeps num_threads; on 2 cores use num_threads=1)")
 
 
 @dataclass
@@ -499,6 +505,15 @@ def validate(cfg: TrainConfig) -> None:
     _check(r.max_turns == 1 or cfg.reward.overlong_buffer == 0,
            "reward.overlong_buffer counts tokens of one turn; it is not supported with "
            "rollout.max_turns > 1")
+    _check(r.async_steps >= 0, "rollout.async_steps must be >= 0")
+    _check(r.async_threads >= 1, "rollout.async_threads must be >= 1")
+    _check(r.async_steps > 0 or r.async_threads == 1,
+           "rollout.async_threads is used only with rollout.async_steps > 0")
+    _check(r.async_steps == 0 or r.engine == "hf",
+           "rollout.async_steps > 0 needs rollout.engine=hf (an async vLLM server is not built)")
+    _check(r.async_steps == 0 or (r.max_turns == 1 and not r.dynamic_sampling),
+           "rollout.async_steps > 0 does not support rollout.max_turns > 1 or "
+           "rollout.dynamic_sampling yet")
     _check(o.eps_low >= 0 and o.eps_high >= 0, "objective.eps_low/eps_high must be >= 0")
     _check(o.eps_low < 1, "objective.eps_low must be < 1")
     _check(o.beta >= 0, "objective.beta must be >= 0")

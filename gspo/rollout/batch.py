@@ -30,6 +30,11 @@ class Rollout:
     routing: list[torch.Tensor] | None = None  # per MoE layer [N * T, k], pad_batch layout (R3)
     extras: dict[str, float] = field(default_factory=dict)
     model_mask: list[list[bool]] | None = None  # multi-turn: True on sampled response tokens
+    # rollout.async_steps > 0 (gspo.rollout.async_engine): per row, the policy version (number
+    # of updates applied) that sampled it, and log π of that version by the trainer's own fp32
+    # log-prob pass (on the steps it was asked for), to tell staleness from engine mismatch.
+    versions: list[int] | None = None
+    trainer_logprobs: list[torch.Tensor] | None = None
 
     def __len__(self) -> int:
         return len(self.response_ids)
@@ -41,11 +46,11 @@ class Rollout:
             t = max((len(self.prompt_ids[i]) + len(self.response_ids[i]) for i in idx), default=0)
             routing = [r.view(len(self), width, -1)[idx, :t].reshape(-1, r.shape[-1])
                        for r in self.routing]
+        pick = lambda xs: None if xs is None else [xs[i] for i in idx]  # noqa: E731
         return Rollout([self.prompt_ids[i] for i in idx], [self.response_ids[i] for i in idx],
                        [self.logprobs[i] for i in idx], [self.truncated[i] for i in idx],
-                       self.group_size, routing,
-                       model_mask=(None if self.model_mask is None
-                                   else [self.model_mask[i] for i in idx]))
+                       self.group_size, routing, model_mask=pick(self.model_mask),
+                       versions=pick(self.versions), trainer_logprobs=pick(self.trainer_logprobs))
 
 
 def pad_batch(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int,

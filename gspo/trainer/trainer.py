@@ -43,9 +43,11 @@ from gspo.rollout import (
     engine_capabilities,
     pad_batch,
 )
+from gspo.rollout.async_engine import Request
 from gspo.rollout.engine import weights_for_rollout
 from gspo.rollout.multiturn import TurnLoop, engine_sampler
 from gspo.trainer import distributed
+from gspo.trainer.async_rollout import AsyncRollout, drift_metrics
 from gspo.trainer.checkpoint import (
     cuda_rng_state,
     extra_rng_state,
@@ -109,6 +111,7 @@ class OldPolicy:
     entropy: torch.Tensor | None = None
     routing_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
     after: torch.Tensor | None = None  # log π_θ after the update (logging.drift_every steps)
+    behaviour: torch.Tensor | None = None  # async: log π_v (behaviour weights), trainer's pass
 
     def take_first_minibatch(self, result: UpdateResult) -> None:
         """Fill in the rows the update's first minibatch computed (see UpdatePlan)."""
@@ -165,6 +168,7 @@ class Trainer:
         self.dist: distributed.Dist
         self.engine: Any = None
         self.turns: TurnLoop | None = None  # rollout.max_turns > 1: environment turns
+        self.async_rollout: AsyncRollout | None = None  # rollout.async_steps > 0
         self.hooks: Any
         self.logprob_fn: Any
         self.lean = self.inference = False
@@ -208,6 +212,8 @@ class Trainer:
             raise ConfigError("rollout.dynamic_sampling runs in one process only for now")
         self._start_engine()  # on the final policy, once the config fits what it can do
         self._choose_passes()
+        # The pipeline's process starts at the end of setup, on the restored weights.
+        self.async_rollout = self._async_rollout(cfg.rollout.async_steps)
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad], lr=cfg.optim.lr,
             betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay,
@@ -224,6 +230,8 @@ class Trainer:
                                resume_step=self.step if resume_ckpt else -1)
         self.logger = (with_trackers(logger, cfg.logging, self.run_dir, to_dict(cfg))
                        if self.dist.is_main else logger)
+        if self.async_rollout is not None:  # on the restored weights: policy version `step`
+            self.async_rollout.start(self.model, self.tokenizer, version=self.step)
         return self
 
     @property
@@ -250,6 +258,7 @@ class Trainer:
                              record_routing=cfg.moe.routing_replay == "r3",
                              fast_decode=cfg.rollout.fast_decode,
                              memory_fraction=cfg.rollout.vllm_memory_fraction)
+        self.engine_opts = opts
         caps = engine_capabilities(cfg.rollout.engine, opts)
         self.hooks = policy_hooks(self.model, cfg.moe, caps, engine=cfg.rollout.engine,
                                   name=cfg.model)
@@ -268,6 +277,25 @@ class Trainer:
         self.logprob_fn = functools.partial(
             shared_prefix_logprobs if packed else token_logprobs, lean=self.lean)
         self.inference = self.lean and inference_safe(self.model)  # π_old pass, see there
+
+    def _async_rollout(self, k: int) -> AsyncRollout | None:
+        """``rollout.async_steps = k > 0``: the pipeline (gspo.trainer.async_rollout), checked
+        against what it supports; None for the synchronous loop (k = 0)."""
+        return self._pipeline(k) if k > 0 else None
+
+    def _pipeline(self, k: int) -> AsyncRollout:
+        cfg = self.cfg
+        if self.dist.enabled or self.hooks.active or cfg.lora.r:
+            raise ConfigError("rollout.async_steps > 0 needs one process and a dense, fully "
+                              "fine-tuned policy for now (no torchrun, MoE routing hooks, LoRA)")
+        every = cfg.logging.rollout_check_every
+        recompute = cfg.objective.old_logprobs == "recompute"
+        return AsyncRollout(
+            k=k, total_steps=cfg.steps, draw=self._request,
+            check=lambda step: recompute or (every > 0 and step % every == 0),
+            engine=cfg.rollout.engine, opts=self.engine_opts,
+            threads=cfg.rollout.async_threads, logprob_fn=self.logprob_fn,
+            temperature=cfg.rollout.temperature, chunk=cfg.logprob_chunk, pad_id=self.pad_id)
 
     def _resume_checkpoint(self) -> Path | None:
         if not self.cfg.resume:
@@ -322,6 +350,11 @@ class Trainer:
         self.baseline_eval = state.get("baseline_eval")
         self.final_eval = state.get("final_eval")
         self.saved_step = self.step
+        if ("async" in state) != (self.async_rollout is not None):
+            raise ConfigError("resume: rollout.async_steps must be 0 in both runs or > 0 in "
+                              "both (the checkpoint holds in-flight batches only when > 0)")
+        if self.async_rollout is not None:
+            self.async_rollout.load_state_dict(state["async"])
         return state.get("guard")
 
     def save_checkpoint(self) -> Path:
@@ -336,6 +369,8 @@ class Trainer:
                  "baseline_eval": self.baseline_eval, "final_eval": self.final_eval,
                  "guard": guard.state_dict(), "rng": extra_rng_state(),
                  "log_sizes": log_sizes(self.run_dir)}
+        if self.async_rollout is not None:  # the in-flight batches (waits for them)
+            state["async"] = self.async_rollout.state_dict()
         good = guard.last_good_step
         path = self.run_dir / "checkpoints" / f"step_{self.step:06d}"
         if self.dist.is_main:
@@ -351,7 +386,24 @@ class Trainer:
     def rollout(self, draw: int = 0) -> tuple[list[Any], Rollout]:
         """This rank's share of the step's prompts (all of them in one process) and their
         ``group_size`` samples each, from the rollout engine. ``draw``: the how-many-th
-        rollout batch of this step (dynamic sampling draws more than one)."""
+        rollout batch of this step (dynamic sampling draws more than one). Async: from the
+        pipeline, which drew them earlier (its ``async/*`` timings and staleness in
+        ``Rollout.extras``)."""
+        if self.async_rollout is not None:
+            return self.async_rollout.next(self.step)
+        examples, req = self._request(self.step, draw)
+        with weights_for_rollout(self.engine, lambda: self.dist.full_weights(self.model)):
+            if self.turns is None:
+                roll = self.engine.generate(req.prompts, group_size=req.group_size,
+                                            params=req.params, seeds=req.seeds)
+            else:  # observation turns between the policy's (gspo.rollout.multiturn)
+                roll = self.turns.run(engine_sampler(self.engine, req.params), examples,
+                                      req.prompts, req.seeds, req.group_size)
+        return examples, roll
+
+    def _request(self, step: int, draw: int = 0) -> tuple[list[Any], Request]:
+        """The prompts of ``step``'s ``draw``-th rollout batch (drawn from the task: call once
+        per batch, in order), their sampling seeds and parameters."""
         cfg = self.cfg.rollout
         # Every rank draws the same prompts and keeps whole groups: advantages stay local.
         examples = self.task.sample(cfg.prompts_per_step)
@@ -363,17 +415,10 @@ class Trainer:
         # Sampling is a function of (seed, step, draw, prompt index): resume is exact, and the
         # responses do not depend on how the prompts are split across ranks.
         first = draw * cfg.prompts_per_step + lo  # < 65_537 (checked by validate)
-        seeds = [(self.cfg.seed * 1_000_003 + self.step) * 65_537 + first + i
+        seeds = [(self.cfg.seed * 1_000_003 + step) * 65_537 + first + i
                  for i in range(len(prompts))]
         params = SamplingParams(cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k)
-        with weights_for_rollout(self.engine, lambda: self.dist.full_weights(self.model)):
-            if self.turns is None:
-                roll = self.engine.generate(prompts, group_size=cfg.group_size, params=params,
-                                            seeds=seeds)
-            else:  # observation turns between the policy's (gspo.rollout.multiturn)
-                roll = self.turns.run(engine_sampler(self.engine, params), examples, prompts,
-                                      seeds, cfg.group_size)
-        return examples, roll
+        return examples, Request(step, step, prompts, cfg.group_size, params, seeds, False)
 
     def score(self, examples: list[Any], roll: Rollout) -> tuple[torch.Tensor, dict[str, float]]:
         """Rewards of the global batch (NaN: unscorable) and the per-function reward metrics."""
@@ -410,7 +455,7 @@ class Trainer:
         rows whose π_old the first minibatch's own forward gives exactly (θ = θ_old there)."""
         o = self.cfg.objective
         gen = torch.Generator().manual_seed(self.cfg.seed * 7_919 + self.step)
-        reuse = (self._recompute_old() and o.old_logprobs in ("recompute", "decoupled")
+        reuse = (self._recompute_old() and self._old_is_current()
                  and can_reuse_first_forward(self.model, self.dist, self.hooks))
         # One process: the batch may hold fewer groups (dynamic sampling past its cap).
         n = self.cfg.rollout.prompts_per_step * roll.group_size if self.dist.enabled else len(roll)
@@ -460,11 +505,20 @@ class Trainer:
             return token_logprobs(self.ref_model, *args, **kw)[0]
         return reference_logprobs(self.model, *args, **kw)  # LoRA: the adapter disabled
 
+    def _old_is_current(self) -> bool:
+        """Whether the loss's π_old is the trainer's pass on this step's weights: with
+        ``old_logprobs=recompute`` in the synchronous loop (async: the behaviour policy's
+        weights are older, and the engine process ran that pass on them), and always with
+        ``decoupled`` (its proximal π_old is this step's weights; π_rollout is the behaviour)."""
+        o = self.cfg.objective.old_logprobs
+        return o == "decoupled" or (o == "recompute" and self.async_rollout is None)
+
     def _recompute_old(self) -> bool:
         """Whether this step runs the trainer's π_old pass: always for ``old_logprobs=recompute``
-        and for MoE policies (their routing), else every ``logging.rollout_check_every`` steps."""
+        and for MoE policies (their routing), else every ``logging.rollout_check_every`` steps
+        (async: only then, and it measures the staleness drift)."""
         every = self.cfg.logging.rollout_check_every
-        return (self.cfg.objective.old_logprobs in ("recompute", "decoupled") or self.hooks.active
+        return (self._old_is_current() or self.hooks.active
                 or (every > 0 and self.step % every == 0))
 
     def update_batch(self, roll: Rollout, adv: torch.Tensor, plan: UpdatePlan
@@ -482,7 +536,14 @@ class Trainer:
         routing, old.routing_metrics = self.hooks.rollout_routing(roll, routing, self.dist)
         # recompute / decoupled: the trainer's π_old; rollout (§5.4): the engine's. Only a
         # behaviour correction (decoupled, or rollout with one) sees π_rollout in the loss.
-        pi_old = old.rollout if self.cfg.objective.old_logprobs == "rollout" else old.recomputed
+        o = self.cfg.objective.old_logprobs
+        pi_old = old.rollout if o == "rollout" else old.recomputed
+        if self.async_rollout is not None:  # the behaviour policy's weights are older
+            if roll.trainer_logprobs is not None:
+                old.behaviour = pad_batch(roll.prompt_ids, roll.response_ids, self.pad_id,
+                                          roll.trainer_logprobs)["old_logprobs"]
+            if o == "recompute":  # π_old is the behaviour policy (see async_rollout)
+                pi_old = old.behaviour
         behaviour = old.rollout if self.objective.correction is not None else None
         mask = padded["response_mask"]
         if self.cfg.rollout.mask_truncated:  # zero loss weight; advantages are computed already
@@ -513,7 +574,12 @@ class Trainer:
         if old.recomputed is not None:  # the trainer's π_old against the engine's log-probs
             gap = ((old.recomputed - old.rollout) * mask).sum(1) / mask.sum(1).clamp(min=1)
         padded = {"response_mask": mask, "attention_mask": batch.attention_mask}
+        if self.async_rollout is not None:
+            gap = None if old.behaviour is None else (  # the engine's own mismatch
+                ((old.behaviour - old.rollout) * mask).sum(1) / mask.sum(1).clamp(min=1))
+            roll.extras.update(drift_metrics(old.rollout, old.behaviour, old.recomputed, mask))
         return {
+            **roll.extras,
             **{k: float(v) for k, v in group_stats(rewards, roll.group_size).items()},
             **mean_stats(result.stats, stat_kinds(self.objective, self.hooks)),
             **self.hooks.step_metrics(result.stats),
@@ -522,7 +588,11 @@ class Trainer:
             **old.routing_metrics,
             **roll.extras,
             **result.diagnostics,
-            **mismatch_metrics(old.rollout, old.recomputed, old.after, mask, self.dist),
+            # engine mismatch at the same weights: async compares the engine with the
+            # trainer's pass on the behaviour weights (staleness is async/staleness_drift_*)
+            **(mismatch_metrics(old.rollout, old.recomputed, old.after, mask, self.dist)
+               if self.async_rollout is None else
+               mismatch_metrics(old.rollout, old.behaviour, None, mask, self.dist)),
             "train/skipped_updates": result.skipped,
             "train/lr": self.scheduler.get_last_lr()[0],
             **timer.metrics(),
@@ -552,7 +622,10 @@ class Trainer:
                 old.after = self.old_logprobs({"input_ids": batch.input_ids,
                                                "attention_mask": batch.attention_mask,
                                                "response_mask": batch.response_mask})[0]
-        if not self.engine.capabilities.shares_policy_weights:
+        if self.async_rollout is not None:  # version step+1, for the batch of step+1+k
+            with timer("weight_sync"):
+                self.async_rollout.publish(self.model, self.step + 1)
+        elif not self.engine.capabilities.shares_policy_weights:
             with timer("weight_sync"):
                 self.sync()
         return {**reward_metrics, **sampling,
@@ -705,9 +778,12 @@ class Trainer:
             self.engine.close()
         if self.scorer is not None:  # reward.isolate=process: stop the reward processes
             self.scorer.close()
+        if self.async_rollout is not None:
+            self.async_rollout.close()
         if self.logger is not None:
             self.logger.close()
         # FSDP2 can abort at exit when the policy and optimizer outlive the process group.
+        self.async_rollout = None
         self.engine = self.model = self.ref_model = self.optimizer = self.scheduler = None
         distributed.shutdown(barrier=barrier)
 

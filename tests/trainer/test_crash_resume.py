@@ -50,8 +50,11 @@ TIMING = ("time/", "perf/")
 WAIT_S = 600  # per wait; generous for a loaded CI machine
 
 
-def _overrides(out: Path, name: str) -> list[str]:
-    return ["model=tiny:llama", f"output_dir={out}", f"run_name={name}", f"steps={STEPS}",
+ASYNC = ("rollout.async_steps=2",)  # the async case: the engine process 2 steps ahead
+
+
+def _overrides(out: Path, name: str, extra: tuple[str, ...] = ()) -> list[str]:
+    return [*extra, "model=tiny:llama", f"output_dir={out}", f"run_name={name}", f"steps={STEPS}",
             "save_every=1", "keep_checkpoints=2", "progress=false", "tensorboard=false",
             "num_threads=1", "seed=3", "rollout.max_new_tokens=5", "rollout.prompts_per_step=2",
             "rollout.group_size=4", "rollout.temperature=1.0", "objective.num_minibatches=2",
@@ -66,22 +69,34 @@ def workdir(tmp_path_factory):
     return d
 
 
-@pytest.fixture(scope="module")
-def reference(workdir):
+def _reference(workdir: Path, name: str, extra: tuple[str, ...] = ()) -> Path:
     """The uninterrupted run, in this process (the CLI builds the same Trainer)."""
     sys.path.insert(0, str(workdir))
     threads = torch.get_num_threads()
+    trainer = None
     try:
-        trainer = Trainer(load_config(None, _overrides(workdir, "reference"))).setup()
+        trainer = Trainer(load_config(None, _overrides(workdir, name, extra))).setup()
         trainer.train()
     finally:
+        if trainer is not None:
+            trainer.cleanup()
         sys.path.remove(str(workdir))
         torch.set_num_threads(threads)
-    run = workdir / "reference"
+    run = workdir / name
     weights = _weights(run, STEPS)
     assert not all(torch.equal(weights[k], _weights(run, STEPS - 1)[k]) for k in weights), \
         "the last step changed nothing: bit-identity would prove nothing"
     return run
+
+
+@pytest.fixture(scope="module")
+def reference(workdir):
+    return _reference(workdir, "reference")
+
+
+@pytest.fixture(scope="module")
+def async_reference(workdir):
+    return _reference(workdir, "async_reference", ASYNC)
 
 
 class Cli:
@@ -207,12 +222,32 @@ def _kill_plan(rng: random.Random) -> list[str]:
 
 @pytest.mark.slow
 def test_sigkill_anywhere_then_resume_is_bit_identical(workdir, reference):
-    run = workdir / "killed"
-    args = _overrides(workdir, "killed")
-    expected = {p.name for p in (reference / "checkpoints" / f"step_{STEPS:06d}").iterdir()}
     rng = random.Random(4)
+    kills = _kill_then_resume(workdir, reference, "killed", _kill_plan(rng), rng)
+    assert len(kills) == len(PHASES) + 4
+
+
+@pytest.mark.slow
+def test_async_sigkill_then_resume_is_bit_identical(workdir, async_reference):
+    """rollout.async_steps=2: a kill loses the in-flight batches of the engine process;
+    the resumed run takes them from the checkpoint (they were sampled from weights older
+    than the checkpoint's) and ends bit-identical to the uninterrupted async run. Fewer kills
+    than the synchronous case: each start also starts an engine process (~10 s of imports)."""
+    rng = random.Random(5)
+    plan = [rng.choice(PHASES), "anytime", rng.choice(PHASES), "anytime", "final:pointed"]
+    kills = _kill_then_resume(workdir, async_reference, "async_killed", plan, rng, ASYNC)
+    assert len(kills) == len(plan)
+
+
+def _kill_then_resume(workdir: Path, reference: Path, name: str, plan: list[str],
+                      rng: random.Random, extra: tuple[str, ...] = ()) -> list[tuple]:
+    """Run ``name``, SIGKILL it at each point of ``plan`` and resume it, then resume it to
+    the end and check it against ``reference``; the kills made."""
+    run = workdir / name
+    args = _overrides(workdir, name, extra)
+    expected = {p.name for p in (reference / "checkpoints" / f"step_{STEPS:06d}").iterdir()}
     kills = []
-    for i, kind in enumerate(_kill_plan(rng)):
+    for i, kind in enumerate(plan):
         # Pick a kill point the resumed run reaches: a write of a step past the checkpoint it
         # starts from, or (anytime) a step not logged yet; never the step-0 checkpoint.
         newest, logged = _newest_and_logged(run)
@@ -236,7 +271,7 @@ def test_sigkill_anywhere_then_resume_is_bit_identical(workdir, reference):
     assert "held-out accuracy" in out
     _check_checkpoints_complete(run, expected)
     _assert_same_run(run, reference)
-    assert len(kills) == len(PHASES) + 4
+    return kills
 
 
 @pytest.mark.slow

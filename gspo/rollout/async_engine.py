@@ -1,0 +1,282 @@
+"""``rollout.async_steps = k > 0``: the rollout engine in its own process, k steps ahead.
+
+The trainer keeps its policy; the engine process samples from copies of it held in shared
+memory (one machine). There are ``k + 1`` weight *slots*; policy version ``v`` (the weights
+after ``v`` updates) lives in slot ``v % (k + 1)``. :meth:`AsyncEngine.publish` copies the
+policy into its slot after every update; :meth:`AsyncEngine.submit` asks for a batch sampled
+from a given version; :meth:`AsyncEngine.take` returns finished batches in submission order.
+
+Why ``k + 1`` slots are enough without any lock: the batch of step ``t`` is sampled from
+version ``max(0, t - k)`` (see :mod:`gspo.trainer.async_rollout`), and the trainer publishes
+version ``v`` only after it has taken the batch of step ``v - 1``, the last batch that reads
+version ``v - k - 1``, whose slot ``v`` overwrites. The slot's version number is stored next
+to its weights and checked before every batch, so a violation is an error, never silent.
+
+Each slot is one flat shared buffer per dtype (one file descriptor, however many tensors the
+model has); the engine process rebuilds the model around views of it from a weightless
+(meta-device) copy. Results travel back as plain Python lists (an fp32 value round-trips
+through a Python float exactly), not as one shared tensor per row.
+
+Only engines that sample from the module they are given (``shares_policy_weights``, i.e.
+``hf``) can run here; a vLLM engine would use its own server process instead (not built).
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import queue
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from gspo.rollout.batch import Rollout, pad_batch
+from gspo.rollout.engine import EngineOptions, build_engine
+from gspo.rollout.sampler import SamplingParams
+
+POLL_S = 1.0  # how often a waiting trainer checks that the engine process is still alive
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """Where one named tensor of the model lives in a slot: its dtype's flat buffer, offset."""
+
+    module: str
+    attr: str
+    is_param: bool
+    dtype: str
+    offset: int
+    shape: tuple[int, ...]
+
+
+def _named_tensors(model: torch.nn.Module) -> list[tuple[str, str, bool, torch.Tensor]]:
+    """(module path, attribute, is parameter, tensor) of every parameter and buffer, tied
+    ones listed under each of their names."""
+    out = []
+    for mname, mod in model.named_modules(remove_duplicate=False):
+        out += [(mname, a, True, p) for a, p in mod._parameters.items() if p is not None]
+        out += [(mname, a, False, b) for a, b in mod._buffers.items() if b is not None]
+    return out
+
+
+def _layout(model: torch.nn.Module) -> tuple[list[_Entry], dict[str, int]]:
+    """One entry per (module, attribute); tied tensors share their offset. Sizes per dtype."""
+    seen: dict[int, tuple[str, int]] = {}
+    sizes: dict[str, int] = {}
+    entries = []
+    for mname, attr, is_param, t in _named_tensors(model):
+        key = str(t.dtype).removeprefix("torch.")
+        if id(t) not in seen:
+            seen[id(t)] = (key, sizes.get(key, 0))
+            sizes[key] = sizes.get(key, 0) + t.numel()
+        key, offset = seen[id(t)]
+        entries.append(_Entry(mname, attr, is_param, key, offset, tuple(t.shape)))
+    return entries, sizes
+
+
+def _skeleton(model: torch.nn.Module) -> bytes:
+    """The model pickled without its weights: every tensor replaced by a meta tensor."""
+    memo: dict[int, Any] = {}
+    for _, _, is_param, t in _named_tensors(model):
+        meta = torch.empty_like(t, device="meta")
+        memo[id(t)] = torch.nn.Parameter(meta, requires_grad=False) if is_param else meta
+    buf = io.BytesIO()
+    torch.save(copy.deepcopy(model, memo), buf)
+    return buf.getvalue()
+
+
+def _views(entries: list[_Entry], slot: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    """Each entry's tensor as a view of its slot buffer."""
+    return [slot[e.dtype][e.offset:e.offset + _numel(e.shape)].view(e.shape) for e in entries]
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _materialize(skeleton: bytes, entries: list[_Entry], slot: dict[str, torch.Tensor]
+                 ) -> torch.nn.Module:
+    """A model whose parameters and buffers are views of ``slot`` (engine process side)."""
+    model = torch.load(io.BytesIO(skeleton), weights_only=False)
+    modules = dict(model.named_modules(remove_duplicate=False))
+    for e, view in zip(entries, _views(entries, slot)):
+        mod = modules[e.module]
+        if e.is_param:
+            mod._parameters[e.attr] = torch.nn.Parameter(view, requires_grad=False)
+        else:
+            mod._buffers[e.attr] = view
+    return model.eval()
+
+
+@dataclass(frozen=True)
+class Request:
+    """One batch to sample: the trainer step it is for, the version to sample from."""
+
+    step: int
+    version: int
+    prompts: list[list[int]]
+    group_size: int
+    params: SamplingParams
+    seeds: list[int]
+    recompute: bool  # also run the trainer's log-prob pass on the batch (Rollout.trainer_logprobs)
+
+
+@dataclass(frozen=True)
+class Recompute:
+    """The trainer's log-prob pass, for the engine process: ``fn(model, ids, attention,
+    response_mask, temperature=, chunk=)`` (e.g. the trainer's ``logprob_fn``)."""
+
+    fn: Callable[..., Any]
+    temperature: float
+    chunk: int
+    pad_id: int
+
+
+def _encode(roll: Rollout, trainer_lp: list[list[float]] | None, version: int,
+            seconds: float) -> dict[str, Any]:
+    return {"prompt_ids": roll.prompt_ids, "response_ids": roll.response_ids,
+            "logprobs": [lp.tolist() for lp in roll.logprobs], "truncated": roll.truncated,
+            "group_size": roll.group_size, "versions": [version] * len(roll),
+            "trainer_logprobs": trainer_lp, "generate_s": seconds}
+
+
+def decode(d: dict[str, Any]) -> Rollout:
+    """A :class:`Rollout` back from :func:`_encode`'s lists (also used for checkpoints)."""
+    f32 = lambda xs: [torch.tensor(x, dtype=torch.float32) for x in xs]  # noqa: E731
+    tlp = d.get("trainer_logprobs")
+    return Rollout(d["prompt_ids"], d["response_ids"], f32(d["logprobs"]), d["truncated"],
+                   d["group_size"], versions=d["versions"],
+                   trainer_logprobs=None if tlp is None else f32(tlp))
+
+
+@torch.no_grad()
+def _trainer_logprobs(model: Any, roll: Rollout, rc: Recompute) -> list[list[float]]:
+    padded = pad_batch(roll.prompt_ids, roll.response_ids, rc.pad_id)
+    with torch.inference_mode():
+        lp = rc.fn(model, padded["input_ids"], padded["attention_mask"],
+                   padded["response_mask"], temperature=rc.temperature, chunk=rc.chunk)[0]
+    out = []
+    for i, (p, r) in enumerate(zip(roll.prompt_ids, roll.response_ids)):
+        out.append(lp[i, len(p):len(p) + len(r)].tolist())
+    return out
+
+
+def _next_request(requests: Any) -> Request | None:
+    """The next request; None to stop, also when the trainer process is gone (a SIGKILL
+    there must not leave this process behind)."""
+    parent = mp.parent_process()
+    while True:
+        try:
+            return requests.get(timeout=POLL_S)
+        except queue.Empty:
+            if parent is not None and not parent.is_alive():
+                return None
+
+
+def _engine_main(skeleton: bytes, entries: list[_Entry], slots: list[dict[str, torch.Tensor]],
+                 slot_versions: torch.Tensor, tokenizer: Any, engine: str, opts: EngineOptions,
+                 threads: int, recompute: Recompute, requests: Any, results: Any) -> None:
+    """The engine process: one model per slot, then batches in the order they were asked."""
+    try:
+        torch.set_num_threads(threads)
+        models = [_materialize(skeleton, entries, s) for s in slots]
+        engines = [build_engine(engine, m, tokenizer, opts) for m in models]
+        results.put(("ready", None))
+        while (req := _next_request(requests)) is not None:
+            slot = req.version % len(slots)
+            if int(slot_versions[slot]) != req.version:
+                raise RuntimeError(f"step {req.step} needs policy version {req.version}, but "
+                                   f"slot {slot} holds version {int(slot_versions[slot])}")
+            start = time.perf_counter()
+            roll = engines[slot].generate(req.prompts, group_size=req.group_size,
+                                          params=req.params, seeds=req.seeds)
+            tlp = _trainer_logprobs(models[slot], roll, recompute) if req.recompute else None
+            if int(slot_versions[slot]) != req.version:  # overwritten while sampling
+                raise RuntimeError(f"slot {slot} was overwritten while sampling step {req.step}")
+            results.put(("batch", (req.step, _encode(roll, tlp, req.version,
+                                                     time.perf_counter() - start))))
+    except BaseException:  # the trainer raises it with this text (see AsyncEngine.take)
+        results.put(("error", traceback.format_exc()))
+
+
+class AsyncEngine:
+    """The engine process and its weight slots (see the module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, *, engine: str,
+                 opts: EngineOptions, steps_ahead: int, threads: int, recompute: Recompute,
+                 version: int = 0, startup_timeout_s: float = 600.0) -> None:
+        self.entries, sizes = _layout(model)
+        first: dict[tuple[str, int], int] = {}
+        for i, e in enumerate(self.entries):
+            first.setdefault((e.dtype, e.offset), i)
+        self._unique = sorted(first.values())  # tied tensors are copied once
+        self.slots = [{k: torch.empty(n, dtype=getattr(torch, k)).share_memory_()
+                       for k, n in sizes.items()} for _ in range(steps_ahead + 1)]
+        self.slot_versions = torch.full((len(self.slots),), -1, dtype=torch.long).share_memory_()
+        self.bytes_per_slot = sum(t.numel() * t.element_size() for t in self.slots[0].values())
+        self.publish(model, version)
+        ctx = mp.get_context("spawn")  # fork would copy this process's threads and locks
+        self.requests, self.results = ctx.Queue(), ctx.Queue()
+        self.proc = ctx.Process(
+            target=_engine_main, daemon=True, name="gspo-rollout-engine",
+            args=(_skeleton(model), self.entries, self.slots, self.slot_versions, tokenizer,
+                  engine, opts, threads, recompute, self.requests, self.results))
+        self.proc.start()
+        kind, payload = self._get(startup_timeout_s)
+        if kind != "ready":
+            raise RuntimeError(f"rollout engine process did not start: {payload}")
+
+    @torch.no_grad()
+    def publish(self, model: torch.nn.Module, version: int) -> float:
+        """Copy ``model``'s weights into version ``version``'s slot; the seconds it took."""
+        start = time.perf_counter()
+        slot = version % len(self.slots)
+        self.slot_versions[slot] = -1  # a batch that reads it now fails its check
+        srcs = [t for *_, t in _named_tensors(model)]
+        views = _views(self.entries, self.slots[slot])
+        torch._foreach_copy_([views[i] for i in self._unique],
+                             [srcs[i].detach() for i in self._unique])
+        self.slot_versions[slot] = version
+        return time.perf_counter() - start
+
+    def submit(self, req: Request) -> None:
+        self.requests.put(req)
+
+    def take(self, timeout_s: float = 3600.0) -> tuple[int, dict[str, Any]]:
+        """The next finished batch, in submission order: (step, encoded rollout)."""
+        kind, payload = self._get(timeout_s)
+        if kind != "batch":
+            raise RuntimeError(f"rollout engine process failed:\n{payload}")
+        return payload
+
+    def _get(self, timeout_s: float) -> tuple[str, Any]:
+        end = time.monotonic() + timeout_s
+        while True:
+            try:
+                return self.results.get(timeout=POLL_S)
+            except queue.Empty:
+                if not self.proc.is_alive():
+                    raise RuntimeError(f"rollout engine process died (exit code "
+                                       f"{self.proc.exitcode})") from None
+                if time.monotonic() > end:
+                    raise TimeoutError(f"no batch from the rollout engine in {timeout_s:.0f} s"
+                                       ) from None
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            self.requests.put(None)
+            self.proc.join(timeout=10)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(timeout=10)
+        for q in (self.requests, self.results):
+            q.close()
+            q.cancel_join_thread()

@@ -1,0 +1,152 @@
+"""The trainer's side of ``rollout.async_steps = k``: a k-step off-policy rollout pipeline.
+
+The batch of step ``t`` (0-based) is sampled from policy version ``v(t) = max(0, t - k)``,
+the weights after ``v(t)`` updates: a fixed function of ``t``, so the run is deterministic
+whatever the timing, staleness ``t - v(t)`` never exceeds k, and k = 0 would be the
+synchronous loop. At step ``t`` the trainer asks the engine process
+(:class:`gspo.rollout.async_engine.AsyncEngine`) for every batch up to ``t + k`` (their
+versions are all published by then), takes batch ``t``, trains on it while the engine samples
+``t + 1 … t + k``, and publishes version ``t + 1``.
+
+Prompts are drawn by the trainer, in step order, when a batch is asked for; so at a
+checkpoint after step ``s`` the task has drawn batches ``0 … s + k - 1``. Resume stays exact by
+checkpointing the in-flight batches ``s … s + k - 1`` themselves (their versions are older than
+the checkpoint's weights, so they could not be regenerated from it): :meth:`state_dict` waits
+for them and returns them with their prompts as JSON-able lists.
+
+π_old under staleness (``objective.old_logprobs``): ``rollout``: the behaviour policy's log-probs
+as the engine recorded them; ``recompute``: the behaviour policy's log-probs by the trainer's own
+fp32 pass, run in the engine process on the behaviour weights (in the synchronous loop both
+name the policy that sampled, which is then the current one). Metrics (``async/*``):
+staleness of the rows; the staleness drift log π_v − log π_t (trainer passes on the behaviour
+and on the current weights: the change of the policy between sampling and this step), kept
+apart from the engine mismatch log π_engine,v − log π_trainer,v (same weights, different
+code) and from the policy drift of the update itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from gspo.config import ConfigError
+from gspo.data.base import Example
+from gspo.rollout.async_engine import AsyncEngine, Recompute, Request, decode
+from gspo.rollout.batch import Rollout
+from gspo.rollout.engine import EngineOptions
+
+
+def behaviour_version(step: int, k: int) -> int:
+    """The policy version that samples the batch of ``step`` (0-based) under ``k`` steps of
+    staleness."""
+    return max(0, step - k)
+
+
+class AsyncRollout:
+    """Asks the engine process for batches ahead, hands them out in step order, publishes
+    weights, and carries the in-flight batches through checkpoints."""
+
+    def __init__(self, *, k: int, total_steps: int,
+                 draw: Callable[[int], tuple[list[Example], Request]],
+                 check: Callable[[int], bool], engine: str, opts: EngineOptions, threads: int,
+                 logprob_fn: Callable[..., Any], temperature: float, chunk: int,
+                 pad_id: int) -> None:
+        """``draw(step)``: the step's prompts from the task (called once per step, in order);
+        ``check(step)``: whether the engine process also runs the trainer's log-prob pass on
+        that step's batch (every step for ``old_logprobs=recompute``)."""
+        self.k, self.total, self.draw, self.check = k, total_steps, draw, check
+        self.engine_name, self.opts, self.threads = engine, opts, threads
+        self.recompute = Recompute(logprob_fn, temperature, chunk, pad_id)
+        self.engine: AsyncEngine | None = None
+        self.submitted = 0  # batches 0 … submitted-1 have been drawn and asked for
+        self.inflight: dict[int, list[Example]] = {}
+        self.ready: dict[int, tuple[list[Example], dict[str, Any]]] = {}
+
+    def start(self, model: Any, tokenizer: Any, *, version: int) -> None:
+        """Start the engine process on ``model``'s weights, policy version ``version``."""
+        self.engine = AsyncEngine(model, tokenizer, engine=self.engine_name, opts=self.opts,
+                                  steps_ahead=self.k, threads=self.threads,
+                                  recompute=self.recompute, version=version)
+
+    def _fill(self, step: int) -> None:
+        for b in range(self.submitted, min(step + self.k, self.total - 1) + 1):
+            examples, req = self.draw(b)
+            self.engine.submit(dataclasses.replace(req, version=behaviour_version(b, self.k),
+                                                   recompute=self.check(b)))
+            self.inflight[b] = examples
+            self.submitted = b + 1
+
+    def _take_one(self) -> None:
+        step, enc = self.engine.take()
+        self.ready[step] = (self.inflight.pop(step), enc)
+
+    def next(self, step: int) -> tuple[list[Example], Rollout]:
+        """The batch of ``step``; its staleness and the engine's time in ``Rollout.extras``."""
+        self._fill(step)
+        while step not in self.ready:
+            if step not in self.inflight:
+                raise RuntimeError(f"batch of step {step} was never asked for")
+            self._take_one()
+        examples, enc = self.ready.pop(step)
+        roll = decode(enc)
+        lag = torch.tensor([step - v for v in roll.versions], dtype=torch.float64)
+        # time/rollout_s is the trainer's wait for the batch; the engine's own time is apart
+        roll.extras = {"time/rollout_engine_s": enc["generate_s"],
+                       "async/staleness_mean": float(lag.mean()),
+                       "async/staleness_max": float(lag.max()),
+                       "async/staleness_min": float(lag.min())}
+        return examples, roll
+
+    def publish(self, model: Any, version: int) -> float:
+        return self.engine.publish(model, version)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The in-flight batches (waited for), their prompts, and where the draws stand."""
+        while self.inflight:
+            self._take_one()
+        ready = {str(s): {"examples": [dataclasses.asdict(e) for e in ex], "rollout": enc}
+                 for s, (ex, enc) in sorted(self.ready.items())}
+        return {"k": self.k, "submitted": self.submitted, "ready": ready}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["k"] != self.k:
+            raise ConfigError(f"resume: the run was checkpointed with rollout.async_steps="
+                             f"{state['k']}, not {self.k}")
+        self.submitted = state["submitted"]
+        self.ready = {int(s): ([Example(**e) for e in v["examples"]], v["rollout"])
+                      for s, v in state["ready"].items()}
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+
+
+def _row_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (x * mask).sum(1) / mask.sum(1).clamp(min=1)
+
+
+def drift_metrics(engine_lp: torch.Tensor, behaviour_lp: torch.Tensor | None,
+                  current_lp: torch.Tensor | None, mask: torch.Tensor) -> dict[str, float]:
+    """Staleness drift and engine mismatch, per sequence (mean over its tokens), all [N, T].
+
+    ``engine_lp``: log π_v as the engine recorded it; ``behaviour_lp``: log π_v by the trainer's
+    pass on the same (behaviour) weights; ``current_lp``: log π_t by the trainer's pass on the
+    weights of this step. Either trainer pass may be missing on a step (not logged then).
+    """
+    out: dict[str, float] = {}
+    if behaviour_lp is not None:
+        gap = _row_mean(engine_lp - behaviour_lp, mask)
+        out["async/engine_mismatch_mean"] = float(gap.mean())
+        out["async/engine_mismatch_abs_max"] = float(gap.abs().max())
+    if behaviour_lp is not None and current_lp is not None:
+        drift = _row_mean(behaviour_lp - current_lp, mask)
+        out["async/staleness_drift_mean"] = float(drift.mean())
+        out["async/staleness_drift_abs_mean"] = float(drift.abs().mean())
+        out["async/staleness_drift_abs_max"] = float(drift.abs().max())
+    if current_lp is not None:  # what the trainer's check sees: both effects together
+        total = _row_mean(engine_lp - current_lp, mask)
+        out["async/behaviour_gap_abs_mean"] = float(total.abs().mean())
+    return out

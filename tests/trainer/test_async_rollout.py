@@ -1,0 +1,244 @@
+"""rollout.async_steps: the k-step pipeline (gspo.trainer.async_rollout) and its engine
+process (gspo.rollout.async_engine).
+
+Fast lane: the pieces in this process (weight slots, the pipeline's order and checkpoint
+state with an in-process engine, the drift metrics, config errors, k = 0 untouched). Slow
+lane: real engine processes (each one imports torch and transformers: ~10 s here).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from gspo.config import ConfigError, load_config
+from gspo.models import load_model
+from gspo.rollout import SamplingParams, build_engine
+from gspo.rollout.async_engine import (
+    AsyncEngine,
+    Request,
+    _encode,
+    _layout,
+    _materialize,
+    _named_tensors,
+    _skeleton,
+    _views,
+)
+from gspo.rollout.engine import EngineOptions
+from gspo.trainer import Trainer
+from gspo.trainer.async_rollout import AsyncRollout, behaviour_version, drift_metrics
+
+
+def char_codes(prompts, completions, **_):
+    """A reward that differs within almost every group: every step moves the weights."""
+    return [float(sum(map(ord, c)) % 97) for c in completions]
+
+
+def _cfg(tmp_path, name, *extra):
+    return load_config(None, [
+        "model=tiny:llama", f"output_dir={tmp_path}", f"run_name={name}", "progress=false",
+        "tensorboard=false", "num_threads=1", "rollout.max_new_tokens=5",
+        "rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.temperature=1.0",
+        "objective.num_minibatches=2", "task.eval_size=0", "optim.lr=3e-3", "steps=2",
+        "eval_before=false", "logging.samples_every=0", *extra])
+
+
+def _rows(trainer):
+    return [json.loads(x) for x in open(trainer.run_dir / "metrics.jsonl")
+            if "train/loss" in x]
+
+
+# ----------------------------------------------------------------------------- fast lane
+
+
+def test_k0_is_the_synchronous_loop_with_pinned_losses(tmp_path):
+    """Pinned on the commit before async existed (same weights bit for bit there, checked
+    with a direct comparison of the step-2 checkpoints)."""
+    trainer = Trainer(_cfg(tmp_path, "k0"), reward_fns=[char_codes]).setup()
+    assert trainer.async_rollout is None
+    trainer.train()
+    rows = _rows(trainer)
+    assert [r["train/loss"] for r in rows] == pytest.approx(
+        [0.027391117066144943, 0.0067110806703567505], rel=1e-5)
+    assert [r["reward/mean"] for r in rows] == [63.0, 52.0]
+    assert not any(k.startswith("async/") for r in rows for k in r)
+
+
+def test_config_errors():
+    with pytest.raises(ConfigError, match="async_threads is used only"):
+        load_config(None, ["rollout.async_threads=2"])
+    with pytest.raises(ConfigError, match=r"needs rollout\.engine=hf"):
+        load_config(None, ["rollout.async_steps=1", "rollout.engine=vllm"])
+    with pytest.raises(ConfigError, match="async_steps must be >= 0"):
+        load_config(None, ["rollout.async_steps=-1"])
+
+
+def test_behaviour_version_bounds_staleness():
+    for k in range(4):
+        lags = [t - behaviour_version(t, k) for t in range(10)]
+        assert lags == [min(t, k) for t in range(10)]
+
+
+def test_a_slot_rebuilds_the_policy_exactly_and_follows_publish():
+    model, _ = load_model("tiny:llama", seed=0)
+    entries, sizes = _layout(model)
+    slot = {k: torch.empty(n, dtype=getattr(torch, k)) for k, n in sizes.items()}
+    n_params = sum(p.numel() for p in model.parameters())  # tied weights counted once
+    assert sizes["float32"] >= n_params
+    copy = _materialize(_skeleton(model), entries, slot)
+    with torch.no_grad():  # publish by hand: what AsyncEngine.publish does
+        for v, (*_, t) in zip(_views(entries, slot), _named_tensors(model)):
+            v.copy_(t)
+    ids = torch.randint(0, 100, (2, 7))
+    assert torch.equal(model(ids).logits, copy(ids).logits)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.add_(0.5)  # tied to the output layer
+        for v, (*_, t) in zip(_views(entries, slot), _named_tensors(model)):
+            v.copy_(t)
+    assert torch.equal(model(ids).logits, copy(ids).logits)
+    assert copy.lm_head.weight.data_ptr() == copy.model.embed_tokens.weight.data_ptr()
+
+
+class InlineEngine:
+    """AsyncEngine's contract in this process: one model per slot, batches on take()."""
+
+    def __init__(self, model, tokenizer, k):
+        self.k, self.model, self.tokenizer = k, model, tokenizer
+        self.versions: dict[int, dict[str, torch.Tensor]] = {}
+        self.asked: list[Request] = []
+        self.queue: list[Request] = []
+
+    def publish(self, model, version):
+        self.versions[version] = {k: v.clone() for k, v in model.state_dict().items()}
+        return 0.0
+
+    def submit(self, req):
+        assert req.version in self.versions, "asked for a version not published yet"
+        self.asked.append(req)
+        self.queue.append(req)
+
+    def take(self):
+        req = self.queue.pop(0)
+        m, _ = load_model("tiny:llama", seed=0)
+        m.load_state_dict(self.versions[req.version])
+        eng = build_engine("hf", m, self.tokenizer, EngineOptions())
+        roll = eng.generate(req.prompts, group_size=req.group_size, params=req.params,
+                            seeds=req.seeds)
+        return req.step, _encode(roll, None, req.version, 0.0)
+
+    def close(self):
+        pass
+
+
+def _pipeline(model, tok, k, total, draws):
+    def draw(step):
+        draws.append(step)
+        return [], Request(step, step, [[1, 2, 3 + step]], 2, SamplingParams(3, 1.0), [step],
+                           False)
+    pipe = AsyncRollout(k=k, total_steps=total, draw=draw, check=lambda s: False,
+                        engine="hf", opts=EngineOptions(), threads=1, logprob_fn=None,
+                        temperature=1.0, chunk=8, pad_id=0)
+    pipe.engine = InlineEngine(model, tok, k)
+    pipe.publish(model, 0)
+    return pipe
+
+
+def test_pipeline_asks_ahead_in_order_and_checkpoints_its_inflight_batches():
+    model, tok = load_model("tiny:llama", seed=0)
+    draws: list[int] = []
+    pipe = _pipeline(model, tok, k=2, total=5, draws=draws)
+    got = {}
+    for step in range(3):
+        _, roll = pipe.next(step)
+        got[step] = roll
+        assert roll.versions == [behaviour_version(step, 2)] * len(roll)
+        assert roll.extras["async/staleness_max"] == min(step, 2)
+        with torch.no_grad():
+            next(model.parameters()).add_(0.1)
+        pipe.publish(model, step + 1)
+    assert draws == [0, 1, 2, 3, 4]  # never past the last step, each once, in order
+    assert [r.step for r in pipe.engine.asked] == [0, 1, 2, 3, 4]
+    state = json.loads(json.dumps(pipe.state_dict()))  # what state.json holds
+    assert sorted(state["ready"]) == ["3", "4"] and state["submitted"] == 5
+    resumed = _pipeline(model, tok, k=2, total=5, draws=[])
+    resumed.load_state_dict(state)
+    for step in (3, 4):
+        _, a = resumed.next(step)
+        _, b = pipe.next(step)
+        assert a.response_ids == b.response_ids and a.versions == b.versions
+        assert all(torch.equal(x, y) for x, y in zip(a.logprobs, b.logprobs))
+    with pytest.raises(ValueError, match="async_steps=2, not 1"):
+        _pipeline(model, tok, k=1, total=5, draws=[]).load_state_dict(state)
+
+
+def test_drift_metrics_on_a_hand_case():
+    mask = torch.tensor([[0.0, 1.0, 1.0], [0.0, 1.0, 0.0]])
+    engine = torch.tensor([[0.0, -1.0, -2.0], [0.0, -1.0, 0.0]])
+    behaviour = engine + torch.tensor([[0.0, 1e-6, 1e-6], [0.0, 0.0, 0.0]])
+    current = behaviour - torch.tensor([[0.0, 0.2, 0.4], [0.0, -0.1, 9.0]])  # 9: padding
+    m = drift_metrics(engine, behaviour, current, mask)
+    assert m["async/staleness_drift_mean"] == pytest.approx((0.3 - 0.1) / 2)
+    assert m["async/staleness_drift_abs_max"] == pytest.approx(0.3)
+    assert m["async/engine_mismatch_abs_max"] == pytest.approx(1e-6, rel=0.05)
+    assert "async/staleness_drift_mean" not in drift_metrics(engine, None, current, mask)
+
+
+# ----------------------------------------------------------------------------- slow lane
+
+
+@pytest.mark.slow
+def test_zero_staleness_pipeline_matches_the_sync_loop_bit_for_bit(tmp_path, monkeypatch):
+    """The engine process, its shared weights and the result transport change nothing: with
+    k = 0 (not reachable from the config, which runs the plain loop then) the weights after
+    3 steps equal the synchronous loop's exactly. π_old = the rollout's log-probs in both, so
+    no trainer pass whose batch shape differs between the two enters the update."""
+    extra = ["steps=3", "objective.old_logprobs=rollout", "logging.rollout_check_every=0"]
+    sync = Trainer(_cfg(tmp_path, "sync", *extra), reward_fns=[char_codes]).setup()
+    sync.train()
+    monkeypatch.setattr(Trainer, "_async_rollout", lambda self, k: self._pipeline(0))
+    pipe = Trainer(_cfg(tmp_path, "pipe", *extra), reward_fns=[char_codes]).setup()
+    try:
+        pipe.train()
+    finally:
+        pipe.cleanup()
+    a, b = (load_file(t.run_dir / "checkpoints/step_000003/model.safetensors")
+            for t in (sync, pipe))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert [r["train/loss"] for r in _rows(sync)] == [r["train/loss"] for r in _rows(pipe)]
+    assert all(r["async/staleness_max"] == 0 for r in _rows(pipe))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("old", ["recompute", "rollout"])
+def test_k2_run_is_bounded_stale_and_logs_the_drifts_apart(tmp_path, old):
+    trainer = Trainer(_cfg(tmp_path, f"k2-{old}", "steps=5", "rollout.async_steps=2",
+                           f"objective.old_logprobs={old}"), reward_fns=[char_codes]).setup()
+    try:
+        trainer.train()
+    finally:
+        trainer.cleanup()
+    rows = _rows(trainer)
+    assert [r["async/staleness_max"] for r in rows] == [0, 1, 2, 2, 2]
+    for r in rows:  # same weights, same fp32 code: the engine agrees with the trainer
+        assert r["async/engine_mismatch_abs_max"] < 3e-5
+    assert rows[0]["async/staleness_drift_abs_max"] == 0.0  # version 0 sampled step 0
+    assert rows[-1]["async/staleness_drift_abs_max"] > 1e-3  # two updates behind
+
+
+@pytest.mark.slow
+def test_a_dead_engine_process_is_a_clear_error():
+    model, tok = load_model("tiny:llama", seed=0)
+    from gspo.models import token_logprobs
+    from gspo.rollout.async_engine import Recompute
+
+    eng = AsyncEngine(model, tok, engine="hf", opts=EngineOptions(), steps_ahead=1, threads=1,
+                      recompute=Recompute(token_logprobs, 1.0, 8, 0))
+    try:
+        eng.submit(Request(0, 3, [[1, 2]], 2, SamplingParams(3, 1.0), [0], False))
+        with pytest.raises(RuntimeError, match="needs policy version 3"):
+            eng.take(timeout_s=120)
+    finally:
+        eng.close()
