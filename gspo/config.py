@@ -61,6 +61,9 @@ class TaskConfig:
     split: str = _f("train", "task.name=dataset: split to train on")
     eval_split: str = _f("", "task.name=dataset: held-out split (empty: hold out eval_size rows)")
     countdown_numbers: int = _f(3, "task.name=countdown: how many numbers each problem gives")
+    prompt_template: str = _f(
+        "", "task.name=arithmetic: the prompt, with {problem} where e.g. 12*34 goes (empty: "
+        "'What is {problem}? Answer with a number.')")
     eval_path: str = _f("", "held-out JSONL file (empty: hold out eval_size rows of path)")
     prompt_field: str = _f("prompt", "dataset column holding the prompt")
     answer_field: str = _f("answer", "dataset column holding the reference answer")
@@ -544,6 +547,10 @@ def validate(cfg: TrainConfig) -> None:
     _check(t.name not in ("jsonl", "dataset") or bool(t.path),
            f"task.path is required when task.name={t.name}")
     _check(2 <= t.countdown_numbers <= 6, "task.countdown_numbers must be in 2..6")
+    _check(not t.prompt_template or t.name == "arithmetic",
+           "task.prompt_template applies only to task.name=arithmetic")
+    _check(not t.prompt_template or "{problem}" in t.prompt_template,
+           "task.prompt_template must contain {problem}")
     _check(t.name == "reasoning_gym" or not t.options,
            f"task.options is used only by task.name=reasoning_gym (task.name={t.name})")
     _check(t.name != "reasoning_gym" or bool(t.subset),

@@ -12,7 +12,12 @@ Per run (definitions used in the table):
 * routing change after an update: ``moe/routing_change_after_update``, the same over the
   minibatches that follow at least one optimizer step on their rollout batch (the paper's
   "after each gradient update" quantity, not diluted by the first minibatch's 0);
-* sequence-ratio spread: ``objective/seq_ratio_std`` averaged over all steps;
+* sequence-ratio spread: ``objective/seq_ratio_std`` averaged over all steps (token-ratio
+  spread ``objective/token_ratio_std`` likewise);
+* reward per sampled response: ``dynamic/sampled_reward_mean`` (dynamic sampling: every
+  response sampled, also those of dropped groups; without it ``reward/mean`` is that already);
+* engine mismatch, policy drift, staleness: step means of ``mismatch/*``, ``drift/*`` and
+  ``async/*`` (see docs/corrections.md and docs/scaling.md);
 * wall time of the run (rollouts, updates and evaluations).
 
 Each arm's cell is the mean ± sample standard deviation over seeds; plots draw the mean over
@@ -32,20 +37,45 @@ from typing import Any
 from gspo.analysis.report_plots import plot_compare
 from gspo.trainer.metrics import read_metrics
 
-# (summary key, column title)
+# (summary key, column title); a column no run logs (e.g. routing for a dense policy) is left
+# out of the tables.
 COLUMNS: list[tuple[str, str]] = [
     ("final_reward", "final reward"),
+    ("sampled_reward", "reward per sampled response"),
     ("accuracy_after", "held-out accuracy after"),
     ("clip_frac_tokens", "clipped-token fraction"),
+    ("clip_frac_seqs", "clipped-sequence fraction"),
     ("routing_change", "routing-change fraction"),
     ("routing_change_after_update", "routing change after an update"),
+    ("token_ratio_std", "token-ratio std"),
     ("seq_ratio_std", "sequence-ratio std"),
+    ("mismatch_seq_p50", "engine mismatch |log ρ_i| p50"),
+    ("mismatch_token_p99", "engine mismatch |log ρ_t| p99"),
+    ("mismatch_k3", "k3 KL(π_rollout‖π_old)"),
+    ("drift_seq_p50", "policy drift |log s_i| p50"),
+    ("engine_share", "engine share of |log s_i|"),
+    ("staleness", "staleness (updates)"),
+    ("staleness_drift", "staleness drift |Δ log π_i|"),
+    ("response_len", "response length"),
+    ("entropy", "entropy"),
     ("wall_s", "wall time / run (s)"),
 ]
 _STEP_MEANS = {"clip_frac_tokens": "objective/clip_frac_tokens",
+               "clip_frac_seqs": "objective/clip_frac_seqs",
+               "sampled_reward": "dynamic/sampled_reward_mean",
                "routing_change": "moe/routing_change",
                "routing_change_after_update": "moe/routing_change_after_update",
-               "seq_ratio_std": "objective/seq_ratio_std"}
+               "token_ratio_std": "objective/token_ratio_std",
+               "seq_ratio_std": "objective/seq_ratio_std",
+               "mismatch_seq_p50": "mismatch/seq_log_ratio_abs_p50",
+               "mismatch_token_p99": "mismatch/token_log_ratio_abs_p99",
+               "mismatch_k3": "mismatch/k3_kl",
+               "drift_seq_p50": "drift/seq_log_ratio_abs_p50",
+               "engine_share": "drift/engine_share",
+               "staleness": "async/staleness_mean",
+               "staleness_drift": "async/staleness_drift_abs_mean",
+               "response_len": "rollout/response_len_mean",
+               "entropy": "train/entropy"}
 
 
 def _mean(values: list[float]) -> float:
@@ -118,19 +148,29 @@ def _cell(s: dict[str, float], digits: int | None = None) -> str:
     return f"{m:.{d}f} ± {sd:.{d}f}"
 
 
+def _logged(summary: dict[str, Any]) -> list[tuple[str, str]]:
+    """The columns some run of the comparison has a value for."""
+    return [(key, title) for key, title in COLUMNS
+            if any(arm["stats"].get(key, {}).get("n") for arm in summary["arms"].values())]
+
+
 def markdown_table(summary: dict[str, Any]) -> str:
-    head = ["arm", *(title for _, title in COLUMNS)]
+    columns = _logged(summary)
+    head = ["arm", *(title for _, title in columns)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for arm in summary["arms"].values():
-        cells = [_cell(arm["stats"][key], 0 if key == "wall_s" else None) for key, _ in COLUMNS]
+        cells = [_cell(arm["stats"][key], 0 if key == "wall_s" else None) for key, _ in columns]
         lines.append("| " + " | ".join([arm["label"], *cells]) + " |")
     return "\n".join(lines)
 
 
 def _per_seed_table(summary: dict[str, Any]) -> str:
-    keys = ["first_reward", "final_reward", "accuracy_before", "accuracy_after",
-            "clip_frac_tokens", "routing_change", "routing_change_after_update",
-            "seq_ratio_std", "wall_s"]
+    logged = {key for key, _ in _logged(summary)}
+    keys = [k for k in ("first_reward", "final_reward", "sampled_reward", "accuracy_before",
+                        "accuracy_after", "clip_frac_tokens", "routing_change",
+                        "routing_change_after_update", "seq_ratio_std", "mismatch_seq_p50",
+                        "drift_seq_p50", "staleness", "wall_s")
+            if k in logged or k in ("first_reward", "accuracy_before")]
     lines = ["| arm | seed | " + " | ".join(keys) + " |", "|" + "---|" * (len(keys) + 2)]
     for arm in summary["arms"].values():
         for seed, r in arm["runs"].items():

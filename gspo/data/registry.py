@@ -20,7 +20,7 @@ from gspo.data.builtin import CountdownTask, gsm8k_mini_task
 from gspo.data.datasets import load_jsonl
 from gspo.data.hf import dataset_task
 from gspo.data.reasoning_gym import ReasoningGymTask
-from gspo.data.tasks import ArithmeticTask
+from gspo.data.tasks import PROMPT_TEMPLATE, ArithmeticTask
 from gspo.registry import Registry
 
 TaskBuilder = Callable[[TaskConfig, int], Task]
@@ -31,7 +31,7 @@ TASKS: Registry[TaskBuilder] = Registry("task")
 @TASKS.register("arithmetic")
 def arithmetic_task(cfg: TaskConfig, seed: int) -> ArithmeticTask:
     return ArithmeticTask(cfg.levels, cfg.level_weights, cfg.operations, cfg.eval_levels,
-                          cfg.eval_size, seed)
+                          cfg.eval_size, seed, template=cfg.prompt_template or PROMPT_TEMPLATE)
 
 
 @TASKS.register("countdown")

@@ -26,6 +26,10 @@ def _key(op: str, a: int, b: int) -> str:
     return f"{op}{hi},{lo}"
 
 
+PROMPT_TEMPLATE = "What is {problem}? Answer with a number."
+"""The arithmetic task's default prompt (``task.prompt_template`` replaces it)."""
+
+
 class ArithmeticTask:
     """Procedural integer arithmetic with a verifiable answer.
 
@@ -36,18 +40,22 @@ class ArithmeticTask:
     """
 
     def __init__(self, levels: list[int], level_weights: list[float], operations: list[str],
-                 eval_levels: list[int], eval_size: int, seed: int) -> None:
+                 eval_levels: list[int], eval_size: int, seed: int, *,
+                 template: str = PROMPT_TEMPLATE) -> None:
         self.levels, self.operations = list(levels), list(operations)
+        self.template = template
         self.weights = list(level_weights) or [1.0] * len(levels)
         self.rng = random.Random(seed)
         self.eval_examples = self._eval_set(eval_levels or levels, eval_size, seed)
 
     @staticmethod
-    def make(op: str, a: int, b: int, level: int) -> Example:
+    def make(op: str, a: int, b: int, level: int, *, template: str = PROMPT_TEMPLATE) -> Example:
+        """Problem ``a op b`` (a - b with a ≥ b), its prompt ``template`` with ``{problem}``
+        replaced by e.g. ``12*34``."""
         if op == "-" and b > a:
             a, b = b, a
         value = {"+": a + b, "-": a - b, "*": a * b}[op]
-        return Example(f"What is {a}{op}{b}? Answer with a number.", str(value),
+        return Example(template.replace("{problem}", f"{a}{op}{b}"), str(value),
                        {"level": level})
 
     def _draw(self, rng: random.Random, level: int, held_out: bool) -> Example:
@@ -56,7 +64,7 @@ class ArithmeticTask:
             op = rng.choice(self.operations)
             a, b = rng.randint(lo_a, hi_a), rng.randint(lo_b, hi_b)
             if is_held_out(_key(op, a, b)) == held_out:
-                return self.make(op, a, b, level)
+                return self.make(op, a, b, level, template=self.template)
 
     def _eval_set(self, levels: list[int], size: int, seed: int) -> list[Example]:
         rng = random.Random(f"eval-{seed}")

@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from gspo.config import TaskConfig
+from gspo.config import ConfigError, TaskConfig, TrainConfig, build, validate
 from gspo.data import ArithmeticTask, DataError, DatasetTask, Example, build_task
 from gspo.data.tasks import LEVELS
 
@@ -259,3 +259,21 @@ def test_build_task_errors(tmp_path):
     bad_eval.write_text("not json\n")
     with pytest.raises(DataError, match=r"e\.jsonl:1: invalid JSON"):
         build_task(TaskConfig(name="jsonl", path=str(p), eval_path=str(bad_eval)), seed=0)
+
+
+def test_prompt_template_replaces_the_prompt_and_keeps_the_problems():
+    plain = build_task(build(TrainConfig, None, ["task.eval_size=5"]).task, seed=3)
+    cfg = build(TrainConfig, None, ["task.eval_size=5",
+                                    "task.prompt_template=Write Python that prints {problem}."])
+    templated = build_task(cfg.task, seed=3)
+    for a, b in zip(plain.eval_examples, templated.eval_examples):
+        assert b.answer == a.answer and b.prompt.startswith("Write Python that prints ")
+        assert a.prompt.replace("What is ", "").split("?")[0] in b.prompt
+
+
+def test_prompt_template_errors():
+    with pytest.raises(ConfigError, match=r"must contain \{problem\}"):
+        validate(build(TrainConfig, None, ["task.prompt_template=hello"]))
+    with pytest.raises(ConfigError, match=r"only to task\.name=arithmetic"):
+        validate(build(TrainConfig, None, ["task.name=countdown", "reward.functions=[countdown]",
+                                           "task.prompt_template=x {problem}"]))
