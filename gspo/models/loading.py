@@ -65,12 +65,22 @@ def materialize_smollm2() -> Path:
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
+    return save_model_folder(model, tokenizer, target)
+
+
+def save_model_folder(model: Any, tokenizer: Any, target: Path,
+                      extra: dict[str, str] | None = None) -> Path:
+    """``save_pretrained`` model and tokenizer (and ``extra`` files: name -> text) into
+    ``target`` atomically: a crash never leaves a half-written folder, and a process that lost
+    the race to another one building the same folder keeps the winner's."""
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        os.replace(tmp, target)  # atomic: a crash never leaves a half-written model folder
+        for name, text in (extra or {}).items():
+            (tmp / name).write_text(text)
+        os.replace(tmp, target)
     except OSError:
         if not (target / "config.json").is_file():
             raise

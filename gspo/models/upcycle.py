@@ -24,9 +24,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -34,7 +31,13 @@ from urllib.parse import parse_qsl
 
 import torch
 
-from gspo.models.loading import MODEL_SOURCES, ModelError, cache_dir, resolve_model
+from gspo.models.loading import (
+    MODEL_SOURCES,
+    ModelError,
+    cache_dir,
+    resolve_model,
+    save_model_folder,
+)
 
 UPCYCLE_FORMAT = 1  # bump when the conversion changes: the cache key includes it
 
@@ -206,16 +209,5 @@ def resolve_upcycle(rest: str) -> Path:
     dense = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32)
     model = upcycle(dense, spec)
     tokenizer = AutoTokenizer.from_pretrained(where)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
-    try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        (tmp / "upcycle.json").write_text(json.dumps(asdict(spec), indent=1))
-        os.replace(tmp, target)  # atomic: a crash never leaves a half-written folder
-    except OSError:
-        if not (target / "config.json").is_file():
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    return save_model_folder(model, tokenizer, target,
+                             {"upcycle.json": json.dumps(asdict(spec), indent=1)})
