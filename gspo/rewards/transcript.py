@@ -8,10 +8,9 @@ A multi-turn completion is the whole transcript: the policy's turns with the obs
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
-from gspo.rewards.functions import extract_number, register_reward
+from gspo.rewards.functions import numeric_match, register_reward
 
 OBS_OPEN = "<output>"  # how built-in environments open an observation
 OBS_CLOSE = "</output>"  # ... and close it
@@ -29,12 +28,4 @@ def final_numeric_match(prompts: list[str], completions: list[str], *, answer: l
     """1.0 when the last number of the policy's *final* turn (:func:`final_turn`) equals the
     reference, else 0.0; a number that appears only in a tool's output scores 0. A reference
     that is not a number makes the row unscorable (None)."""
-    out: list[float | None] = []
-    for completion, ref in zip(completions, answer):
-        target = extract_number(str(ref))
-        if target is None:
-            out.append(None)
-            continue
-        got = extract_number(final_turn(completion))
-        out.append(float(got is not None and math.isclose(got, target, abs_tol=1e-9)))
-    return out
+    return numeric_match(prompts, [final_turn(c) for c in completions], answer=answer)
