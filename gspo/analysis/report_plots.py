@@ -24,7 +24,21 @@ FIGURES: list[tuple[str, str, list[tuple[str, str, str, str]]]] = [
     ("clipping", "Clipping", [
         ("objective/clip_frac_tokens", "Clipped-token fraction", "fraction (symlog)", "symlog")]),
     ("seq_ratio", "Sequence importance ratio s_i", [
-        ("objective/seq_ratio_std", "Spread of s_i across responses", "std", "linear")]),
+        ("objective/seq_ratio_std", "Spread of s_i across responses", "std", "linear"),
+        ("objective/token_ratio_std", "Spread of the token ratios w_it", "std", "linear")]),
+    # figures below are drawn only where the runs log their keys
+    ("mismatch", "Engine mismatch (π_rollout vs π_old) and policy drift (π_old vs π_θ)", [
+        ("mismatch/seq_log_ratio_abs_p50", "engine: median |mean token log π_old/π_rollout|",
+         "|log ρ_i| (symlog)", "symlog"),
+        ("mismatch/token_log_ratio_abs_p99", "engine: p99 |token log π_old/π_rollout|",
+         "|log ρ_t| (symlog)", "symlog"),
+        ("drift/seq_log_ratio_abs_p50", "policy drift: median |log s_i| after the update",
+         "|log s_i| (symlog)", "symlog"),
+        ("drift/engine_share", "engine share of |log ρ_i| + |log s_i|", "share", "linear")]),
+    ("staleness", "Asynchronous rollouts", [
+        ("async/staleness_mean", "Staleness of the batch", "updates", "linear"),
+        ("async/staleness_drift_abs_mean", "Staleness drift |log π_behaviour − log π_old|",
+         "mean |Δ| (symlog)", "symlog")]),
 ]
 
 
