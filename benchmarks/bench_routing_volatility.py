@@ -27,7 +27,7 @@ from typing import Any
 from benchmarks.common import ROOT, child_main, machine, run_child, write_result
 
 OUT = ROOT / "results" / "moe_volatility"
-UPCYCLED = "upcycle:smollm2-135m-instruct?experts=8&top_k=2&noise={noise}&router_std={std}"
+UPCYCLED = "upcycle:smollm2-135m-instruct?experts=4&top_k=2&noise={noise}&router_std={std}"
 # (testbed, lr, router state, steps): the grid that fits about 15 minutes on 2 busy cores.
 GRID: list[tuple[str, float, dict[str, float], int]] = [
     *[("deep", lr, {}, 4) for lr in (3e-5, 1e-4, 3e-4, 1e-3)],
