@@ -118,7 +118,7 @@ def run_gspo(spec: dict[str, Any]) -> dict[str, Any]:
             f"rollout.temperature={spec['temperature']}", "rollout.top_p=1.0", "rollout.top_k=0",
             f"objective.num_minibatches={spec['minibatches']}", "objective.eps_low=3e-4",
             "objective.eps_high=4e-4", "objective.beta=0.0", f"optim.lr={spec['lr']}",
-            "optim.grad_clip=1.0", *GSPO_ARMS[spec["arm"]]])
+            "optim.grad_clip=1.0", *GSPO_ARMS[spec["arm"]], *spec.get("overrides", [])])
         trainer = Trainer(cfg, reward_fns=[distinct_words], model=model, tokenizer=tok).setup()
         rollout_t: list[tuple[float, float]] = []
         old_t: list[tuple[float, float]] = []
@@ -134,6 +134,7 @@ def run_gspo(spec: dict[str, Any]) -> dict[str, Any]:
             steps.append(_step(w1 - w0, c1 - c0, rollout_t[k], m["rollout/response_len_mean"] * n,
                                m["perf/update_tokens_per_s"] * m["time/update_s"],
                                old_logprobs_s=old[0], old_logprobs_cpu_s=old[1]))
+        trainer.cleanup()  # the engine (and an async engine's process)
     return {"arm": spec["arm"], "steps": steps}
 
 

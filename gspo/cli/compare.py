@@ -4,10 +4,19 @@ parsing; the comparison itself is :func:`gspo.analysis.compare.run_compare`."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from gspo.analysis.compare import run_compare
 from gspo.analysis.spec import load_spec
 from gspo.config import ConfigError
+
+
+def default_name(spec: str) -> str:
+    """The runs/ and results/ folder name of a comparison file: its folder and stem
+    (``configs/dense/variants.yaml`` and the preset ``dense/variants`` -> ``dense_variants``)."""
+    path = Path(spec)
+    stem = path.name.removesuffix(".yaml").removesuffix(".yml")
+    return f"{path.parent.name}_{stem}" if path.parent.name else stem
 
 
 def cmd_compare(argv: list[str]) -> int:
@@ -20,9 +29,9 @@ def cmd_compare(argv: list[str]) -> int:
     p.add_argument("--quick", action="store_true", help="the file's quick setting (seconds)")
     p.add_argument("--arms", default="", help="comma-separated subset of arms")
     p.add_argument("--seeds", default="", help="comma-separated seeds (replaces the file's)")
-    p.add_argument("--runs", default="", help="run folders (default: runs/moe_compare[_quick])")
-    p.add_argument("--out", default="", help="table and plots (default: results/moe_compare"
-                   "[_quick])")
+    p.add_argument("--runs", default="", help="run folders (default: runs/<name>[_quick], "
+                   "<name> from the file's folder and stem: moe/compare -> moe_compare)")
+    p.add_argument("--out", default="", help="table and plots (default: results/<name>[_quick])")
     ns = p.parse_intermixed_args(argv)
     if "=" in ns.spec:  # only overrides were given
         ns.overrides, ns.spec = [ns.spec, *ns.overrides], p.get_default("spec")
@@ -35,10 +44,10 @@ def cmd_compare(argv: list[str]) -> int:
         raise ConfigError(f"--seeds: expected comma-separated integers, got '{ns.seeds}'") from None
     arms = [a for a in ns.arms.split(",") if a] or None
     spec = load_spec(ns.spec, quick=ns.quick, arms=arms, seeds=seeds)
-    suffix = "_quick" if ns.quick else ""
-    out = ns.out or f"results/moe_compare{suffix}"
+    name = default_name(ns.spec) + ("_quick" if ns.quick else "")
+    out = ns.out or f"results/{name}"
     command = " ".join(["gspo compare", *argv])
-    summary = run_compare(spec, ns.runs or f"runs/moe_compare{suffix}", out, ns.overrides,
+    summary = run_compare(spec, ns.runs or f"runs/{name}", out, ns.overrides,
                           command=command)
     print(f"results: {out}/results.md ({len(spec.arms)} arms x {len(spec.seeds)} seeds, "
           f"{summary['total_wall_s'] / 60:.1f} min)")

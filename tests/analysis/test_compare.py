@@ -131,3 +131,14 @@ def test_quick_comparison_of_one_arm_and_seed(tmp_path):
     with pytest.raises(ConfigError, match="another config"):
         spec = load_spec(SPEC, quick=True, arms=["grpo_r2"], seeds=[0])
         run_compare(spec, runs, out, ["optim.lr=0.5"], log=lambda s: None)
+
+
+def test_compare_default_folders_follow_the_file_name() -> None:
+    """Each comparison file gets its own runs/ and results/ folder by default, so running
+    dense/variants does not overwrite moe/compare's results."""
+    from gspo.cli.compare import default_name
+
+    assert default_name("moe/compare") == "moe_compare"
+    assert default_name("configs/dense/variants.yaml") == "dense_variants"
+    assert default_name("gspo/presets/async/compare.yaml") == "async_compare"
+    assert default_name("mine.yaml") == "mine"

@@ -1,0 +1,235 @@
+"""Sync vs async (``rollout.async_steps``) vs TRL on the SmolLM2 step, interleaved, with each
+arm's share of the machine's fp32 FLOP limit (issue 17, items 4 and 5).
+
+The work of one step is :mod:`benchmarks.bench_vs_trl`'s (B prompts × G responses × T tokens,
+the π_old pass, ``minibatches`` AdamW steps, GSPO ε 3e-4/4e-4, fp32), so the TRL arm is that
+benchmark's, configured the same way. Arms (``--arms``), each with its thread count in its name:
+
+- ``sync@1``, ``sync@2``: gspo's synchronous loop on 1 and 2 torch threads (item 4: the
+  phase-by-phase thread scaling is read from these two);
+- ``async1@1+1``, ``async2@1+1``: ``rollout.async_steps=1`` / ``2``, the trainer on 1 thread and
+  the engine process on 1 (``rollout.async_threads=1``): 2 cores in all; the engine also runs
+  the π_old pass (``old_logprobs=recompute`` in the async loop);
+- ``trl@2`` (and ``trl@1``): TRL's GRPOTrainer on 2 (1) threads, the same total cores.
+
+The primary clock is wall time (an async arm runs two processes; CPU time of one says nothing).
+Arms alternate A B C …, … C B A in child processes; run it on a quiet machine.
+
+The FLOP limit: ``torch.mm`` GFLOP/s measured here at 1 and 2 threads on the step's own
+matmul shapes (the best of them), × the arm's total cores through that measurement. The
+step's FLOPs are counted once with ``torch.utils.flop_counter.FlopCounterMode`` on one
+synchronous step (matmuls and attention; forward, backward and the sampling passes), split by
+phase (rollout, π_old pass, update). An async step does the same work in two processes.
+
+    HF_HUB_OFFLINE=1 python -m benchmarks.bench_async          # ~15 min, 2 cores
+    HF_HUB_OFFLINE=1 python -m benchmarks.bench_async --model tiny:llama --steps 3 --reps 1 \\
+        --out /tmp/x                                            # seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+from benchmarks.bench_vs_trl import run_gspo, run_trl
+from benchmarks.common import abba, fmt, machine, median, result_name, run_child, write_result
+
+# arm -> (engine "gspo"/"trl", trainer threads, engine threads (0: sync), extra overrides)
+ARMS: dict[str, tuple[str, int, int, list[str]]] = {
+    "sync@1": ("gspo", 1, 0, []),
+    "sync@2": ("gspo", 2, 0, []),
+    "async1@1+1": ("gspo", 1, 1, ["rollout.async_steps=1", "rollout.async_threads=1"]),
+    "async2@1+1": ("gspo", 1, 1, ["rollout.async_steps=2", "rollout.async_threads=1"]),
+    "trl@1": ("trl", 1, 0, []),
+    "trl@2": ("trl", 2, 0, []),
+}
+
+
+def total_threads(arm: str) -> int:
+    _, trainer, engine, _ = ARMS[arm]
+    return trainer + engine
+
+
+def count_step_flops(spec: dict[str, Any]) -> dict[str, float]:
+    """FLOPs of one synchronous gspo step by phase (the first step of a fresh trainer)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from benchmarks import bench_vs_trl
+
+    counts: dict[str, float] = {}
+    real = bench_vs_trl._timed
+
+    def counting(fn: Any, into: list[tuple[float, float]]) -> Any:  # the phase wrappers
+        name = getattr(fn, "__name__", "phase")
+
+        def wrapper(*a: Any, **k: Any) -> Any:
+            with FlopCounterMode(display=False) as c:
+                out = fn(*a, **k)
+            counts[name] = counts.get(name, 0.0) + float(c.get_total_flops())
+            into.append((0.0, 0.0))
+            return out
+        return wrapper
+
+    bench_vs_trl._timed = counting
+    try:
+        with FlopCounterMode(display=False) as total:
+            run_gspo({**spec, "arm": "gspo", "steps": 1, "overrides": []})
+    finally:
+        bench_vs_trl._timed = real
+    return {"total": float(total.get_total_flops()), "rollout": counts.get("rollout", 0.0),
+            "old_logprobs": counts.get("old_logprobs", 0.0),
+            "update": float(total.get_total_flops()) - counts.get("rollout", 0.0)
+            - counts.get("old_logprobs", 0.0)}
+
+
+def run(spec: dict[str, Any]) -> dict[str, Any]:
+    if spec["arm"] == "flops":
+        import torch
+
+        torch.set_num_threads(1)
+        return {"arm": "flops", "flops": count_step_flops({**spec, "threads": 1})}
+    kind, threads, _, overrides = ARMS[spec["arm"]]
+    child = {**spec, "threads": threads, "overrides": overrides}
+    out = run_trl(child) if kind == "trl" else run_gspo({**child, "arm": "gspo"})
+    out["arm"] = spec["arm"]
+    return out
+
+
+def matmul_limit(model: str, spec: dict[str, Any]) -> dict[str, float]:
+    """Best ``torch.mm`` GFLOP/s at 1 and 2 threads on the step's matmul shapes."""
+    import torch
+
+    from benchmarks.bench_update import matmul_peak
+    from gspo.models import load_model
+
+    m, _ = load_model(model, seed=0)
+    c = m.config
+    rows = spec["prompts_per_step"] * spec["group_size"] // spec["minibatches"] * 48
+    hidden, inter = c.hidden_size, getattr(c, "intermediate_size", 4 * c.hidden_size)
+    shapes = [(rows, hidden, inter), (rows, inter, hidden), (rows, hidden, hidden), (1024,) * 3]
+    del m
+    out = {}
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        out[str(threads)] = max(matmul_peak(shapes, threads).values())
+    return out
+
+
+def summarize(results: list[dict[str, Any]], warmup: int, flops: dict[str, float],
+              limit: dict[str, float]) -> dict[str, Any]:
+    arms: dict[str, dict[str, float]] = {}
+    for arm in dict.fromkeys(r["arm"] for r in results):
+        steps = [s for r in results if r["arm"] == arm for s in r["steps"][warmup:]]
+        step = [s["step_s"] for s in steps]
+        roll = [s["rollout_s"] for s in steps]
+        cores = total_threads(arm)
+        s = {"threads": cores, "step_s": median(step), "rollout_s": median(roll),
+             "update_s": median([a - b for a, b in zip(step, roll)]),
+             "response_tokens": median([s["response_tokens"] for s in steps]),
+             "peak_rss_mb": max(r["peak_rss_mb"] for r in results if r["arm"] == arm),
+             "n_steps": len(steps)}
+        if "old_logprobs_s" in steps[0]:
+            s["old_logprobs_s"] = median([x["old_logprobs_s"] for x in steps])
+        s["gflops"] = flops["total"] / s["step_s"] / 1e9
+        s["frac_of_limit"] = s["gflops"] / (limit["1"] * cores if cores > 2 else limit[str(cores)])
+        arms[arm] = s
+    out: dict[str, Any] = {"arms": arms}
+    sync = {t: arms.get(f"sync@{t}") for t in (1, 2)}
+    if sync[1] and sync[2]:  # item 4: where the second core goes
+        out["thread_scaling"] = {
+            k: sync[1][k] / sync[2][k] for k in ("step_s", "rollout_s", "update_s",
+                                                  "old_logprobs_s") if sync[2].get(k)}
+    for arm, s in arms.items():  # item 5: async step vs max(rollout, update) of a sync step
+        if arm.startswith("async"):
+            for t, sy in sync.items():
+                if sy:
+                    bound = max(sy["rollout_s"], sy["update_s"])
+                    out.setdefault("async_vs_bound", {})[f"{arm} vs sync@{t}"] = {
+                        "bound_s": bound, "ratio": s["step_s"] / bound,
+                        "speedup": sy["step_s"] / s["step_s"]}
+    trl = arms.get("trl@2")
+    if trl:
+        out["over_trl@2"] = {a: trl["step_s"] / s["step_s"] for a, s in arms.items()
+                             if not a.startswith("trl")}
+    return out
+
+
+def table(model: str, summary: dict[str, Any], flops: dict[str, float],
+          limit: dict[str, float]) -> tuple[str, list[str]]:
+    header = ("| model | arm | threads (total) | s/step | rollout wait s | rest of step s "
+              "| π_old s | GFLOP/s | of FLOP limit | peak RSS MiB |\n"
+              "|---|---|---|---|---|---|---|---|---|---|")
+    rows = []
+    for arm, s in summary["arms"].items():
+        rows.append(f"| {model} | {arm} | {s['threads']} | {fmt(s['step_s'])} | "
+                    f"{fmt(s['rollout_s'])} | {fmt(s['update_s'])} | "
+                    f"{fmt(s.get('old_logprobs_s', float('nan')))} | {fmt(s['gflops'], 1)} | "
+                    f"{100 * s['frac_of_limit']:.0f}% | {fmt(s['peak_rss_mb'], 0)} |")
+    rows.append("")
+    rows.append(f"Step work (FlopCounterMode, one sync step): {flops['total'] / 1e9:.0f} GFLOP "
+                f"(rollout {flops['rollout'] / 1e9:.0f}, π_old {flops['old_logprobs'] / 1e9:.0f}, "
+                f"update {flops['update'] / 1e9:.0f}). FLOP limit (best torch.mm): "
+                f"{limit['1']:.1f} GFLOP/s at 1 thread, {limit['2']:.1f} at 2.")
+    if "thread_scaling" in summary:
+        rows.append("")
+        rows.append("Thread scaling, sync@1 / sync@2 (s): " + ", ".join(
+            f"{k.removesuffix('_s')} {v:.2f}×" for k, v in summary["thread_scaling"].items()))
+    for name, r in summary.get("async_vs_bound", {}).items():
+        rows.append(f"- {name}: async step / max(rollout, rest) of the sync step = "
+                    f"{r['ratio']:.2f} (bound {r['bound_s']:.2f} s); {r['speedup']:.2f}× faster")
+    for arm, r in summary.get("over_trl@2", {}).items():
+        rows.append(f"- {arm} vs trl@2: {r:.2f}× faster")
+    return header, rows
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--prompts-per-step", type=int, default=2)
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--minibatches", type=int, default=2)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--lr", type=float, default=1e-6)
+    p.add_argument("--steps", type=int, default=4, help="rollout batches per child")
+    p.add_argument("--warmup", type=int, default=1, help="first steps of each child not counted")
+    p.add_argument("--reps", type=int, default=2, help="children per arm (alternating)")
+    p.add_argument("--arms", default="sync@1,sync@2,async1@1+1,async2@1+1,trl@2")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
+    a = p.parse_args(argv)
+    arms = a.arms.split(",")
+    for arm in arms:
+        if arm not in ARMS:
+            raise SystemExit(f"--arms: unknown arm '{arm}' (known: {', '.join(ARMS)})")
+    spec = {k: getattr(a, k) for k in ("model", "prompts_per_step", "group_size",
+                                       "max_new_tokens", "minibatches", "temperature", "lr",
+                                       "steps", "seed")}
+    limit = matmul_limit(a.model, spec)
+    print(f"  matmul limit: {limit} GFLOP/s", flush=True)
+    flops = run_child("benchmarks.bench_async", {**spec, "arm": "flops"})["flops"]
+    print(f"  step work: {flops['total'] / 1e9:.1f} GFLOP", flush=True)
+    results = []
+    for arm in abba(arms, a.reps):
+        w0 = time.perf_counter()
+        r = run_child("benchmarks.bench_async", {**spec, "arm": arm})
+        print(f"  {arm}: {[round(s['step_s'], 2) for s in r['steps']]} s/step wall "
+              f"({time.perf_counter() - w0:.0f} s with start-up)", flush=True)
+        results.append(r)
+    summary = summarize(results, a.warmup, flops, limit)
+    data = {"config": spec, "warmup": a.warmup, "reps": a.reps, "machine": machine(),
+            "flops": flops, "matmul_limit_gflops": limit, "summary": summary, "raw": results}
+    header, rows = table(a.model, summary, flops, limit)
+    write_result(result_name("async", a.model), data, header, rows, a.out)
+    print("\n".join([header, *rows]))
+    return data
+
+
+if __name__ == "__main__":
+    from benchmarks.common import child_main
+
+    if not child_main(sys.argv[1:], run):
+        main()
