@@ -16,7 +16,7 @@ advantages (no gradient); each response gets a seeded Bernoulli(1/2) reward, gro
 as in training. The real reward mean is recorded beside it. Everything goes through the
 trainer's own phase methods (rollout, update_batch, update, old_logprobs).
 
-    OMP_NUM_THREADS=1 python benchmarks/bench_length.py            # ~25 min, results/length/
+    OMP_NUM_THREADS=1 python benchmarks/bench_length.py            # ~15 min, results/length/
     python benchmarks/bench_length.py --model tiny:llama --lengths 4 8 --out /tmp/x  # seconds
 """
 
@@ -195,7 +195,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--group-size", type=int, default=4)
     p.add_argument("--minibatches", type=int, default=4)
     p.add_argument("--resamples", type=int, default=4)
-    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--lr", type=float, default=1e-7,
+                   help="at 1e-5 one step already pushes every GSPO sequence out of its band")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(ROOT / "results" / "length"))
