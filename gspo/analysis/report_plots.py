@@ -61,18 +61,22 @@ def samples_seen(rows: list[dict[str, Any]], run_dir: Path) -> dict[float, float
 
 def band(runs: dict[int, Path], key: str, cache: dict[Path, list[dict[str, Any]]]
          ) -> tuple[list[float], list[float], list[float], list[float]]:
-    """(samples, mean, min, max) over seeds at the steps where every seed logged ``key``."""
-    per_seed = []
+    """(samples, mean, min, max) over seeds at the steps where every seed logged ``key``.
+    The x of a step is the seeds' mean count of sampled responses up to it (with dynamic
+    sampling the seeds draw different numbers of extra batches)."""
+    per_seed, seen_per_seed = [], []
     for run_dir in runs.values():
         rows = cache.setdefault(run_dir, read_metrics(run_dir))
         xs, ys = series(rows, key)
         seen = samples_seen(rows, run_dir)
         scale = _samples_per_step(run_dir)
-        per_seed.append({seen.get(x, x * scale): y for x, y in zip(xs, ys) if math.isfinite(y)})
-    xs = sorted(set.intersection(*(set(d) for d in per_seed))) if per_seed else []
-    mean = [sum(d[x] for d in per_seed) / len(per_seed) for x in xs]
-    return xs, mean, [min(d[x] for d in per_seed) for x in xs], \
-        [max(d[x] for d in per_seed) for x in xs]
+        per_seed.append({x: y for x, y in zip(xs, ys) if math.isfinite(y)})
+        seen_per_seed.append({x: seen.get(x, x * scale) for x in xs})
+    steps = sorted(set.intersection(*(set(d) for d in per_seed))) if per_seed else []
+    xs = [sum(s[x] for s in seen_per_seed) / len(seen_per_seed) for x in steps]
+    mean = [sum(d[x] for d in per_seed) / len(per_seed) for x in steps]
+    return xs, mean, [min(d[x] for d in per_seed) for x in steps], \
+        [max(d[x] for d in per_seed) for x in steps]
 
 
 def _draw(ax: Any, key: str, labels: dict[str, str], runs: dict[str, dict[int, Path]],

@@ -79,3 +79,29 @@ def test_volatility_panel_has_one_subplot_per_layer_in_layer_order(tmp_path):
     run.mkdir()
     (run / "metrics.jsonl").write_text(json.dumps(rows[0]) + "\n")
     assert [p.stem for p in plot_runs([run], tmp_path / "plots")] == ["routing_volatility"]
+
+
+def test_band_keeps_steps_when_seeds_sampled_different_counts(tmp_path) -> None:
+    """With dynamic sampling the seeds draw different numbers of responses; the band still has
+    a point at every step all seeds logged (x: their mean count), not only at step 0."""
+    import json
+
+    import yaml
+
+    from gspo.analysis.report_plots import band
+
+    runs = {}
+    for seed, extra in ((0, 0), (1, 16)):
+        d = tmp_path / f"s{seed}"
+        d.mkdir()
+        (d / "config.yaml").write_text(yaml.safe_dump(
+            {"rollout": {"prompts_per_step": 2, "group_size": 8}}))
+        rows = [{"step": 0, "eval/accuracy": 0.25}]
+        rows += [{"step": s, "reward/mean": 0.5, "dynamic/responses_sampled": 16 + extra}
+                 for s in (1, 2)]
+        rows += [{"step": 2, "eval/accuracy": 0.5 + 0.25 * seed}]
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        runs[seed] = d
+    xs, mean, lo, hi = band(runs, "eval/accuracy", {})
+    assert xs == [0.0, 48.0]  # (32 + 64) / 2 responses by step 2
+    assert mean == [0.25, 0.625] and lo == [0.25, 0.5] and hi == [0.25, 0.75]
