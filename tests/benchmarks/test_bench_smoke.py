@@ -124,22 +124,20 @@ def test_length_benchmark_writes_curves(tmp_path):
     assert (tmp_path / "length.png").is_file() and "| 4 |" in (tmp_path / "length.md").read_text()
 
 
-def test_async_benchmark_arms_flops_and_summary():
-    """bench_async: a sync and an async arm run, the step's FLOPs are counted by phase, and the
-    summary carries the thread scaling and the async-vs-bound ratio."""
+def test_async_benchmark_arms_flops_and_summary(tmp_path):
+    """bench_async end to end at tiny scale, every arm in its own child process (the async
+    engine process, and multiprocessing's resource tracker, must not outlive the arm): a sync
+    and an async arm run, the step's FLOPs are counted by phase, and the summary carries the
+    thread scaling and the async-vs-bound ratio."""
     from benchmarks import bench_async
 
-    spec = {**TINY, "steps": 2}
-    flops = bench_async.run({**spec, "arm": "flops"})["flops"]
+    data = bench_async.main(["--model", "tiny:llama", "--group-size", "2", "--max-new-tokens",
+                             "4", "--steps", "2", "--warmup", "0", "--reps", "1",
+                             "--arms", "sync@1,sync@2,async1@1+1", "--out", str(tmp_path)])
+    flops, summary = data["flops"], data["summary"]
     assert flops["total"] > 0 and flops["rollout"] > 0 and flops["update"] > 0
-    results = [bench_async.run({**spec, "arm": arm}) for arm in ("sync@1", "sync@2",
-                                                                  "async1@1+1")]
-    for r in results:
-        r["peak_rss_mb"] = 1.0
-    limit = {"1": 50.0, "2": 100.0}
-    summary = bench_async.summarize(results, 0, flops, limit)
     assert summary["arms"]["async1@1+1"]["threads"] == 2
     assert set(summary["thread_scaling"]) >= {"step_s", "rollout_s", "update_s"}
     assert "async1@1+1 vs sync@1" in summary["async_vs_bound"]
-    header, rows = bench_async.table("tiny:llama", summary, flops, limit)
-    assert "async1@1+1" in "\n".join(rows) and "of FLOP limit" in header
+    text = (tmp_path / "async_tiny-llama.md").read_text()
+    assert "async1@1+1" in text and "of FLOP limit" in text
