@@ -33,7 +33,7 @@ import sys
 import time
 from typing import Any
 
-from benchmarks.bench_vs_trl import run_gspo, run_trl
+from benchmarks.bench_vs_trl import add_step_arguments, run_gspo, run_trl
 from benchmarks.common import abba, fmt, machine, median, result_name, run_child, write_result
 
 # arm -> (engine "gspo"/"trl", trainer threads, engine threads (0: sync), extra overrides)
@@ -133,7 +133,7 @@ def summarize(results: list[dict[str, Any]], warmup: int, flops: dict[str, float
         if "old_logprobs_s" in steps[0]:
             s["old_logprobs_s"] = median([x["old_logprobs_s"] for x in steps])
         s["gflops"] = flops["total"] / s["step_s"] / 1e9
-        s["frac_of_limit"] = s["gflops"] / (limit["1"] * cores if cores > 2 else limit[str(cores)])
+        s["frac_of_limit"] = s["gflops"] / limit[str(cores)]  # every arm uses 1 or 2 cores
         arms[arm] = s
     out: dict[str, Any] = {"arms": arms}
     sync = {t: arms.get(f"sync@{t}") for t in (1, 2)}
@@ -187,13 +187,7 @@ def table(model: str, summary: dict[str, Any], flops: dict[str, float],
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--prompts-per-step", type=int, default=2)
-    p.add_argument("--group-size", type=int, default=8)
-    p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--minibatches", type=int, default=2)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--lr", type=float, default=1e-6)
+    add_step_arguments(p)
     p.add_argument("--steps", type=int, default=4, help="rollout batches per child")
     p.add_argument("--warmup", type=int, default=1, help="first steps of each child not counted")
     p.add_argument("--reps", type=int, default=2, help="children per arm (alternating)")

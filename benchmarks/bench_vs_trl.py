@@ -262,9 +262,8 @@ def table(model: str, threads: int, summary: dict[str, Any]) -> tuple[str, list[
     return header, rows
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    argv = sys.argv[1:] if argv is None else argv
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_step_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags that define one step's work (shared with benchmarks.bench_async)."""
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--prompts-per-step", type=int, default=2)
     p.add_argument("--group-size", type=int, default=8)
@@ -272,6 +271,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--minibatches", type=int, default=2)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--lr", type=float, default=1e-6)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_step_arguments(p)
     p.add_argument("--steps", type=int, default=3, help="rollout batches per child")
     p.add_argument("--warmup", type=int, default=1, help="first steps of each child not counted")
     p.add_argument("--reps", type=int, default=2, help="children per arm (alternating)")
