@@ -10,6 +10,7 @@ Each field's ``help`` metadata feeds ``gspo train --help`` and the docs.
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -307,6 +308,10 @@ class TrainConfig:
     output_dir: str = _f("runs", "parent folder of run folders")
     run_name: str = _f("", "run folder name (empty: a timestamp)")
     resume: str = _f("", "run folder to resume from its latest checkpoint")
+    device: str = _f(
+        "auto", "where the policy trains and the hf engine samples: 'auto' (the GPU when "
+        "torch sees one, else the CPU), 'cpu', 'cuda' or 'cuda:N'; under torchrun each rank "
+        "takes its local GPU when this resolves to cuda")
     dtype: Literal["float32", "bfloat16"] = _f("float32", "parameter and compute dtype")
     logprob_chunk: int = _f(256, "positions per chunk when computing fp32 log-probs")
     logprob_packing: bool = _f(
@@ -316,6 +321,9 @@ class TrainConfig:
         "per-call overhead (same arithmetic; other models always use forward)")
     gradient_checkpointing: bool = _f(False, "recompute activations in backward (saves memory)")
     save_every: int = _f(0, "checkpoint every k steps (0: only at the end)")
+    save_final: bool = _f(
+        True, "write a checkpoint at the end of the run (false: only metrics.jsonl and "
+        "final_eval.json stay, e.g. for comparisons whose weights nobody reloads)")
     keep_checkpoints: int = _f(2, "how many recent checkpoints to keep")
     eval_before: bool = _f(True, "evaluate held-out accuracy before training")
     eval_every: int = _f(0, "evaluate every k steps (0: only before/after)")
@@ -508,6 +516,8 @@ def validate(cfg: TrainConfig) -> None:
     _check(r.max_turns == 1 or cfg.reward.overlong_buffer == 0,
            "reward.overlong_buffer counts tokens of one turn; it is not supported with "
            "rollout.max_turns > 1")
+    _check(re.fullmatch(r"auto|cpu|cuda(:\d+)?", cfg.device) is not None,
+           f"device: {cfg.device!r} is not 'auto', 'cpu', 'cuda' or 'cuda:N'")
     _check(r.async_steps >= 0, "rollout.async_steps must be >= 0")
     _check(r.async_threads >= 1, "rollout.async_threads must be >= 1")
     _check(r.async_steps > 0 or r.async_threads == 1,

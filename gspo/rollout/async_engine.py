@@ -17,6 +17,11 @@ model has); the engine process rebuilds the model around views of it from a weig
 (meta-device) copy. Results travel back as plain Python lists (an fp32 value round-trips
 through a Python float exactly), not as one shared tensor per row.
 
+On a GPU the slots stay in shared CPU memory (the trainer's publish is one device-to-host
+copy per tensor) and the engine process keeps one model on the device, itself views of one
+flat device buffer per dtype: before a batch from another version it copies that slot in,
+one host-to-device copy per dtype.
+
 Only engines that sample from the module they are given (``shares_policy_weights``, i.e.
 ``hf``) can run here; a vLLM engine would use its own server process instead (not built).
 """
@@ -95,6 +100,16 @@ def _views(entries: list[_Entry], slot: dict[str, torch.Tensor]) -> list[torch.T
     return [slot[e.dtype][e.offset:e.offset + _numel(e.shape)].view(e.shape) for e in entries]
 
 
+def _copy_flat(slot: dict[str, torch.Tensor], entries: list[_Entry], unique: list[int],
+               srcs: list[torch.Tensor]) -> None:
+    """Fill ``slot`` from ``srcs`` with one copy per dtype: the distinct tensors of a dtype,
+    in entry order, lie back to back in its buffer (:func:`_layout` gives them their offsets
+    in that order), so their concatenation is the whole buffer."""
+    for key, buf in slot.items():
+        parts = [srcs[i].detach().reshape(-1) for i in unique if entries[i].dtype == key]
+        buf.copy_(torch.cat(parts))
+
+
 def _numel(shape: tuple[int, ...]) -> int:
     n = 1
     for s in shape:
@@ -159,10 +174,13 @@ def decode(d: dict[str, Any]) -> Rollout:
 
 @torch.no_grad()
 def _trainer_logprobs(model: Any, roll: Rollout, rc: Recompute) -> list[list[float]]:
-    padded = pad_batch(roll.prompt_ids, roll.response_ids, rc.pad_id)
+    dev = next(model.parameters()).device
+    padded = {k: v.to(dev) for k, v in pad_batch(roll.prompt_ids, roll.response_ids,
+                                                    rc.pad_id).items()}
     with torch.inference_mode():
         lp = rc.fn(model, padded["input_ids"], padded["attention_mask"],
                    padded["response_mask"], temperature=rc.temperature, chunk=rc.chunk)[0]
+    lp = lp.cpu()
     out = []
     for i, (p, r) in enumerate(zip(roll.prompt_ids, roll.response_ids)):
         out.append(lp[i, len(p):len(p) + len(r)].tolist())
@@ -181,13 +199,42 @@ def _next_request(requests: Any) -> Request | None:
                 return None
 
 
+class _DeviceModel:
+    """The engine process's one model on a GPU: views of a flat device buffer per dtype, into
+    which :meth:`load` copies a slot (only when the version changes)."""
+
+    def __init__(self, skeleton: bytes, entries: list[_Entry], sizes: dict[str, int],
+                 device: torch.device) -> None:
+        self.buffers = {k: torch.empty(n, dtype=getattr(torch, k), device=device)
+                        for k, n in sizes.items()}
+        self.model = _materialize(skeleton, entries, self.buffers)
+        self.version = -1
+
+    @torch.no_grad()
+    def load(self, slot: dict[str, torch.Tensor], version: int) -> None:
+        if version != self.version:
+            for k, buf in self.buffers.items():
+                buf.copy_(slot[k])
+            self.version = version
+
+
 def _engine_main(skeleton: bytes, entries: list[_Entry], slots: list[dict[str, torch.Tensor]],
                  slot_versions: torch.Tensor, tokenizer: Any, engine: str, opts: EngineOptions,
-                 threads: int, recompute: Recompute, requests: Any, results: Any) -> None:
-    """The engine process: one model per slot, then batches in the order they were asked."""
+                 threads: int, recompute: Recompute, requests: Any, results: Any,
+                 device: torch.device) -> None:
+    """The engine process: one model per slot (on the CPU) or one device model loaded from
+    the slot a batch needs (GPU), then batches in the order they were asked."""
     try:
         torch.set_num_threads(threads)
-        models = [_materialize(skeleton, entries, s) for s in slots]
+        on_device = None
+        if device.type == "cpu":
+            models = [_materialize(skeleton, entries, s) for s in slots]
+        else:
+            if device.type == "cuda" and device.index is not None:
+                torch.cuda.set_device(device)
+            on_device = _DeviceModel(skeleton, entries, {k: v.numel() for k, v in
+                                                         slots[0].items()}, device)
+            models = [on_device.model] * len(slots)
         engines = [build_engine(engine, m, tokenizer, opts) for m in models]
         results.put(("ready", None))
         while (req := _next_request(requests)) is not None:
@@ -196,6 +243,8 @@ def _engine_main(skeleton: bytes, entries: list[_Entry], slots: list[dict[str, t
                 raise RuntimeError(f"step {req.step} needs policy version {req.version}, but "
                                    f"slot {slot} holds version {int(slot_versions[slot])}")
             start = time.perf_counter()
+            if on_device is not None:
+                on_device.load(slots[slot], req.version)
             roll = engines[slot].generate(req.prompts, group_size=req.group_size,
                                           params=req.params, seeds=req.seeds)
             tlp = _trainer_logprobs(models[slot], roll, recompute) if req.recompute else None
@@ -212,7 +261,8 @@ class AsyncEngine:
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, *, engine: str,
                  opts: EngineOptions, steps_ahead: int, threads: int, recompute: Recompute,
-                 version: int = 0, startup_timeout_s: float = 600.0) -> None:
+                 version: int = 0, startup_timeout_s: float = 600.0,
+                 device: torch.device | None = None) -> None:
         self.entries, sizes = _layout(model)
         first: dict[tuple[str, int], int] = {}
         for i, e in enumerate(self.entries):
@@ -228,7 +278,8 @@ class AsyncEngine:
         self.proc = ctx.Process(
             target=_engine_main, daemon=True, name="gspo-rollout-engine",
             args=(_skeleton(model), self.entries, self.slots, self.slot_versions, tokenizer,
-                  engine, opts, threads, recompute, self.requests, self.results))
+                  engine, opts, threads, recompute, self.requests, self.results,
+                  device if device is not None else torch.device("cpu")))
         self.proc.start()
         kind, payload = self._get(startup_timeout_s)
         if kind != "ready":
@@ -241,9 +292,12 @@ class AsyncEngine:
         slot = version % len(self.slots)
         self.slot_versions[slot] = -1  # a batch that reads it now fails its check
         srcs = [t for *_, t in _named_tensors(model)]
-        views = _views(self.entries, self.slots[slot])
-        torch._foreach_copy_([views[i] for i in self._unique],
-                             [srcs[i].detach() for i in self._unique])
+        if all(srcs[i].device.type == "cpu" for i in self._unique):
+            views = _views(self.entries, self.slots[slot])
+            torch._foreach_copy_([views[i] for i in self._unique],
+                                 [srcs[i].detach() for i in self._unique])
+        else:  # a GPU policy: one device-to-host copy per dtype
+            _copy_flat(self.slots[slot], self.entries, self._unique, srcs)
         self.slot_versions[slot] = version
         return time.perf_counter() - start
 

@@ -355,6 +355,7 @@ def _generate(model: Any, prompts: list[list[int]], ids: torch.Tensor, mask: tor
         next_pos = next_pos + 1
     tokens[active], lps[active] = tok_rows, lp_rows
     rows = lengths.tolist()
+    lps = lps.cpu()  # a Rollout lives on the CPU, whatever device sampled it (one copy)
     return Rollout(
         prompt_ids=[list(p) for p in prompts for _ in range(group_size)],
         response_ids=[t[:k] for t, k in zip(tokens.tolist(), rows)],

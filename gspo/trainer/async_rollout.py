@@ -53,12 +53,14 @@ class AsyncRollout:
                  draw: Callable[[int], tuple[list[Example], Request]],
                  check: Callable[[int], bool], engine: str, opts: EngineOptions, threads: int,
                  logprob_fn: Callable[..., Any], temperature: float, chunk: int,
-                 pad_id: int) -> None:
+                 pad_id: int, device: torch.device | None = None) -> None:
         """``draw(step)``: the step's prompts from the task (called once per step, in order);
         ``check(step)``: whether the engine process also runs the trainer's log-prob pass on
-        that step's batch (every step for ``old_logprobs=recompute``)."""
+        that step's batch (every step for ``old_logprobs=recompute``). ``device``: where the
+        engine process samples (the trainer's device; default the CPU)."""
         self.k, self.total, self.draw, self.check = k, total_steps, draw, check
         self.engine_name, self.opts, self.threads = engine, opts, threads
+        self.device = device if device is not None else torch.device("cpu")
         self.recompute = Recompute(logprob_fn, temperature, chunk, pad_id)
         self.engine: AsyncEngine | None = None
         self.submitted = 0  # batches 0 … submitted-1 have been drawn and asked for
@@ -69,7 +71,8 @@ class AsyncRollout:
         """Start the engine process on ``model``'s weights, policy version ``version``."""
         self.engine = AsyncEngine(model, tokenizer, engine=self.engine_name, opts=self.opts,
                                   steps_ahead=self.k, threads=self.threads,
-                                  recompute=self.recompute, version=version)
+                                  recompute=self.recompute, version=version,
+                                  device=self.device)
 
     def _fill(self, step: int) -> None:
         for b in range(self.submitted, min(step + self.k, self.total - 1) + 1):

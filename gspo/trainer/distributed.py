@@ -154,20 +154,38 @@ def run_as_forward(engine: Any, model: Any, fn: Callable[..., Any], *args: Any,
 
 
 # ---------------------------------------------------------------------- setup and teardown
-def init_from_env(strategy: str) -> Dist:
+def resolve_device(name: str) -> torch.device:
+    """The ``device`` option as a torch device: ``auto`` is the GPU when torch sees one, else
+    the CPU. Asking for a GPU that is not there is a :class:`ConfigError`."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            why = ("this torch is a CPU build" if torch.version.cuda is None
+                   else "torch sees no GPU")
+            raise ConfigError(f"device={name}: CUDA is not available ({why}); use device=cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ConfigError(f"device={name}: only {torch.cuda.device_count()} GPU(s) visible")
+    return dev
+
+
+def init_from_env(strategy: str, device: torch.device | None = None) -> Dist:
     """Join the process group that torchrun's variables describe (``WORLD_SIZE``, ``RANK``,
-    ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT``): NCCL when CUDA is available, else gloo.
-    A process started without them (``WORLD_SIZE`` unset or 1) gets the one-process Dist."""
+    ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT``): NCCL on GPUs, else gloo. ``device``: the
+    resolved ``device`` option (default: the GPU when there is one). A process started without
+    them (``WORLD_SIZE`` unset or 1) gets the one-process Dist on ``device``."""
+    if device is None:
+        device = resolve_device("auto")
     if not tdist.is_available():
-        return Dist()
+        return Dist(device=device)
     if not tdist.is_initialized():
         if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-            return Dist()
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        tdist.init_process_group(backend)
+            return Dist(device=device)
+        tdist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     world = tdist.get_world_size()
     if world == 1:
-        return Dist()
+        return Dist(device=device)
     local = int(os.environ.get("LOCAL_RANK", tdist.get_rank()))
     device = torch.device("cpu")
     if tdist.get_backend() == "nccl":
@@ -224,8 +242,14 @@ def prepare(cfg: Any, model: Any, ref_model: Any = None) -> Dist:
     Runs after the policy is final (LoRA, activation checkpointing, reference copy) and
     before the optimizer is built, because FSDP2 replaces the parameters with sharded ones.
     """
-    d = init_from_env(cfg.dist.strategy)
+    d = init_from_env(cfg.dist.strategy, resolve_device(cfg.device))
     if not d.enabled:
+        if d.device.type != "cpu":  # one process on a GPU (the CPU path moves nothing)
+            if d.device.type == "cuda" and d.device.index is not None:
+                torch.cuda.set_device(d.device)
+            model.to(d.device)
+            if ref_model is not None:
+                ref_model.to(d.device)
         return d
     _check(cfg, d)
     model.to(d.device)
@@ -316,6 +340,6 @@ def load_sharded(path: str | Path, model: Any, optimizer: Any) -> None:
                    optim_state_dict=state["optimizer"])
 
 
-__all__ = ["Dist", "decoder_layers", "full_model_state", "init_from_env",
+__all__ = ["Dist", "decoder_layers", "full_model_state", "init_from_env", "resolve_device",
            "load_optimizer_state", "load_sharded", "optimizer_state", "prepare",
            "run_as_forward", "save_sharded", "shutdown", "wrap"]

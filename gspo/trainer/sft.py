@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from gspo.config import SFTConfig, to_dict
+from gspo.config import ConfigError, SFTConfig, load_sft_config, to_dict
 from gspo.data import ArithmeticTask, DataError, Example, format_prompt
 from gspo.models.loading import MODEL_SOURCES, cache_dir, load_model
 from gspo.models.logprobs import token_logprobs
@@ -186,5 +186,13 @@ def read_info(folder: Path) -> dict[str, Any]:
 
 @MODEL_SOURCES.register("sft")
 def resolve_sft(name: str) -> Path:
-    """``model: sft:<name>``: the default cold start (:class:`SFTConfig`) of ``tiny:<name>``."""
-    return cold_start(SFTConfig(base=f"tiny:{name}"))
+    """``model: sft:<name>``: the default cold start (:class:`SFTConfig`) of ``tiny:<name>``;
+    ``sft:<name>?steps=1600&lr=0.003`` changes :class:`SFTConfig` fields (cached apart, by
+    the whole config's hash)."""
+    base, _, query = name.partition("?")
+    if not query:
+        return cold_start(SFTConfig(base=f"tiny:{base}"))
+    overrides = [kv for kv in query.split("&") if kv]
+    if any(kv.partition("=")[0].strip() == "base" for kv in overrides):
+        raise ConfigError(f"sft:{name}: the base is the name before '?'; drop base=")
+    return cold_start(load_sft_config(None, [f"base=tiny:{base}", *overrides]))

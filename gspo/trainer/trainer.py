@@ -68,7 +68,7 @@ from gspo.trainer.reliability import Reliability
 from gspo.trainer.run_logs import log_sizes, truncate_logs
 from gspo.trainer.samples import write_samples
 from gspo.trainer.signals import GracefulStop
-from gspo.trainer.timing import PhaseTimer
+from gspo.trainer.timing import PhaseTimer, gpu_memory_metrics
 from gspo.trainer.tracking import with_trackers
 from gspo.trainer.update import (
     UpdateBatch,
@@ -187,6 +187,7 @@ class Trainer:
             keep_freed_memory()
         torch.manual_seed(cfg.seed)
         # Resolve everything that can fail on user input before touching the disk.
+        distributed.resolve_device(cfg.device)  # device=cuda without a GPU: say so first
         resume_ckpt = self._resume_checkpoint()
         self.scorer = RewardScorer.from_specs(self.reward_specs, cfg.reward.weights)
         if self.train_dataset is not None:
@@ -295,7 +296,8 @@ class Trainer:
             check=lambda step: recompute or (every > 0 and step % every == 0),
             engine=cfg.rollout.engine, opts=self.engine_opts,
             threads=cfg.rollout.async_threads, logprob_fn=self.logprob_fn,
-            temperature=cfg.rollout.temperature, chunk=cfg.logprob_chunk, pad_id=self.pad_id)
+            temperature=cfg.rollout.temperature, chunk=cfg.logprob_chunk, pad_id=self.pad_id,
+            device=self.dist.device)
 
     def _resume_checkpoint(self) -> Path | None:
         if not self.cfg.resume:
@@ -541,7 +543,8 @@ class Trainer:
         if self.async_rollout is not None:  # the behaviour policy's weights are older
             if roll.trainer_logprobs is not None:
                 old.behaviour = pad_batch(roll.prompt_ids, roll.response_ids, self.pad_id,
-                                          roll.trainer_logprobs)["old_logprobs"]
+                                          roll.trainer_logprobs)["old_logprobs"].to(
+                                              self.dist.device)
             if o == "recompute":  # π_old is the behaviour policy (see async_rollout)
                 pi_old = old.behaviour
         behaviour = old.rollout if self.objective.correction is not None else None
@@ -596,11 +599,12 @@ class Trainer:
             "train/skipped_updates": result.skipped,
             "train/lr": self.scheduler.get_last_lr()[0],
             **timer.metrics(),
+            **gpu_memory_metrics(self.dist.device),
         }
 
     def train_step(self) -> dict[str, float]:
         """One RL step, phase by phase; its metrics."""
-        timer = PhaseTimer()
+        timer = PhaseTimer(self.dist.device)
         with timer("rollout"):
             examples, roll = self.rollout()
         with timer("reward"):
@@ -742,7 +746,8 @@ class Trainer:
             self.final_eval = self.evaluate() if self.task.eval_examples else {}
             if self.final_eval:
                 self.logger.log(self.step, {f"eval/{k}": v for k, v in self.final_eval.items()})
-            self.save_checkpoint()
+            if self.cfg.save_final:
+                self.save_checkpoint()
         result = {"steps": self.step, "before": self.baseline_eval, "after": self.final_eval,
                   "run_dir": str(self.run_dir)}
         if self.dist.is_main:
