@@ -340,6 +340,18 @@ def load_sharded(path: str | Path, model: Any, optimizer: Any) -> None:
                    optim_state_dict=state["optimizer"])
 
 
-__all__ = ["Dist", "decoder_layers", "full_model_state", "init_from_env", "resolve_device",
-           "load_optimizer_state", "load_sharded", "optimizer_state", "prepare",
-           "run_as_forward", "save_sharded", "shutdown", "wrap"]
+__all__ = [
+    "Dist",
+    "decoder_layers",
+    "full_model_state",
+    "init_from_env",
+    "load_optimizer_state",
+    "load_sharded",
+    "optimizer_state",
+    "prepare",
+    "resolve_device",
+    "run_as_forward",
+    "save_sharded",
+    "shutdown",
+    "wrap",
+]

@@ -138,7 +138,7 @@ def test_cuda_and_cpu_runs_sample_the_same_first_batch(tmp_path):
 @pytest.mark.cuda
 @pytest.mark.parametrize("k", [1, 2])
 def test_cuda_async_engine_samples_on_the_gpu(tmp_path, k):
-    trainer, rows = _train(_cfg(tmp_path, f"a{k}", "device=cuda", f"rollout.async_steps={k}",
+    _trainer, rows = _train(_cfg(tmp_path, f"a{k}", "device=cuda", f"rollout.async_steps={k}",
                                 "steps=3"))
     assert len(rows) == 3
     assert [r["async/staleness_max"] for r in rows] == [min(s, k) for s in range(3)]
@@ -150,7 +150,7 @@ def test_cuda_async_engine_samples_on_the_gpu(tmp_path, k):
 @pytest.mark.cuda
 @pytest.mark.parametrize("replay", ["off", "r2", "r3"])
 def test_cuda_moe_with_routing_replay(tmp_path, replay):
-    trainer, rows = _train(_cfg(tmp_path, f"moe_{replay}", "device=cuda", "model=tiny:qwen3_moe",
+    _trainer, rows = _train(_cfg(tmp_path, f"moe_{replay}", "device=cuda", "model=tiny:qwen3_moe",
                                 f"moe.routing_replay={replay}"))
     assert len(rows) == 2 and all(torch.isfinite(torch.tensor(r["train/loss"])) for r in rows)
 
@@ -164,6 +164,6 @@ def test_cuda_resume_continues_the_run(tmp_path):
     _, straight = _train(_cfg(tmp_path, "straight", "device=cuda"))
     cfg = _cfg(tmp_path, "cut", "device=cuda", "save_every=1", "steps=1")
     _train(cfg)
-    resumed, rows = _train(_cfg(tmp_path, "cut", "device=cuda", "save_every=1",
+    _resumed, rows = _train(_cfg(tmp_path, "cut", "device=cuda", "save_every=1",
                                 f"resume={tmp_path / 'cut'}"))
     assert [r["reward/mean"] for r in rows][-1] == pytest.approx(straight[-1]["reward/mean"])
