@@ -67,3 +67,19 @@ def test_sft_improves_held_out_accuracy_and_is_cached(tmp_path, monkeypatch):
     model, tok = load_model("sft:qwen3_moe")
     assert tok.decode(tok("7+2=9")["input_ids"]) == "7+2=9" and tok.pad_token_id == 0
     assert type(model).__name__ == "Qwen3MoeForCausalLM"
+
+
+def test_sft_source_takes_options_after_a_question_mark(monkeypatch):
+    """``sft:<name>?steps=700`` is the cold start of that SFT config (cached by its hash); the
+    base comes from the name, never from the options; bad options are config errors."""
+    seen = []
+    monkeypatch.setattr(sft, "cold_start", lambda cfg: seen.append(cfg) or "folder")
+    assert resolve_model("sft:deep_moe?steps=700&lr=0.001") == "folder"
+    assert (seen[-1].base, seen[-1].steps, seen[-1].lr) == ("tiny:deep_moe", 700, 0.001)
+    assert config_hash(seen[-1]) != config_hash(SFTConfig(base="tiny:deep_moe"))
+    resolve_model("sft:deep_moe")
+    assert seen[-1] == SFTConfig(base="tiny:deep_moe")
+    with pytest.raises(ConfigError, match="drop base="):
+        resolve_model("sft:deep_moe?base=tiny:llama")
+    with pytest.raises(ConfigError, match="unknown config key 'stepz'"):
+        resolve_model("sft:deep_moe?stepz=3")
