@@ -44,11 +44,13 @@ def _per_seq(delta: torch.Tensor, on: torch.Tensor) -> torch.Tensor:
 
 
 def mismatch_metrics(rollout: torch.Tensor, old: torch.Tensor | None,
-                     after: torch.Tensor | None, mask: torch.Tensor, dist: Any
-                     ) -> dict[str, float]:
+                     after: torch.Tensor | None, mask: torch.Tensor, dist: Any, *,
+                     before: torch.Tensor | None = None) -> dict[str, float]:
     """``mismatch/*`` from log π_rollout and the recomputed log π_old ([N, T], this rank's
     rows), and ``drift/*`` when ``after`` (log π_θ after the update) is given too; {} on a
-    step without a π_old pass. ``dist``: the run's :class:`gspo.trainer.distributed.Dist`."""
+    step without a π_old pass. ``dist``: the run's :class:`gspo.trainer.distributed.Dist`.
+    ``before``: the weights the update started from, when they are not π_old's (async: π_old
+    is the older behaviour policy, and the update's own drift is ``after − before``)."""
     if old is None:
         return {}
     on = mask > 0
@@ -61,7 +63,8 @@ def mismatch_metrics(rollout: torch.Tensor, old: torch.Tensor | None,
            "mismatch/k3_kl": float(k3.mean()) if k3.numel() else 0.0}
     if after is None:
         return out
-    drift = dist.gather(_per_seq(after.double() - old.double(), on).cpu())[0]
+    start = old if before is None else before
+    drift = dist.gather(_per_seq(after.double() - start.double(), on).cpu())[0]
     out.update(_quantiles("drift/seq_log_ratio", drift))
     e, d = float(engine.abs().sum()), float(drift.abs().sum())
     out["drift/engine_share"] = e / (e + d) if e + d > 0 else 0.0

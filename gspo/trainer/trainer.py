@@ -595,7 +595,9 @@ class Trainer:
             # trainer's pass on the behaviour weights (staleness is async/staleness_drift_*)
             **(mismatch_metrics(old.rollout, old.recomputed, old.after, mask, self.dist)
                if self.async_rollout is None else
-               mismatch_metrics(old.rollout, old.behaviour, None, mask, self.dist)),
+               mismatch_metrics(old.rollout, old.behaviour,
+                                old.after if old.recomputed is not None else None, mask,
+                                self.dist, before=old.recomputed)),
             "train/skipped_updates": result.skipped,
             "train/lr": self.scheduler.get_last_lr()[0],
             **timer.metrics(),

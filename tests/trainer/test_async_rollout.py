@@ -215,7 +215,8 @@ def test_zero_staleness_pipeline_matches_the_sync_loop_bit_for_bit(tmp_path, mon
 @pytest.mark.parametrize("old", ["recompute", "rollout"])
 def test_k2_run_is_bounded_stale_and_logs_the_drifts_apart(tmp_path, old):
     trainer = Trainer(_cfg(tmp_path, f"k2-{old}", "steps=5", "rollout.async_steps=2",
-                           f"objective.old_logprobs={old}"), reward_fns=[char_codes]).setup()
+                           f"objective.old_logprobs={old}", "logging.drift_every=1"),
+                      reward_fns=[char_codes]).setup()
     try:
         trainer.train()
     finally:
@@ -226,6 +227,8 @@ def test_k2_run_is_bounded_stale_and_logs_the_drifts_apart(tmp_path, old):
         assert r["async/engine_mismatch_abs_max"] < 3e-5
     assert rows[0]["async/staleness_drift_abs_max"] == 0.0  # version 0 sampled step 0
     assert rows[-1]["async/staleness_drift_abs_max"] > 1e-3  # two updates behind
+    # the update's own drift (π_θ after it vs the weights it started from), apart from staleness
+    assert all(r["drift/seq_log_ratio_abs_max"] > 0 for r in rows)
 
 
 @pytest.mark.slow

@@ -52,6 +52,12 @@ def test_mismatch_metrics_match_a_plain_reference():
     e, dr = sum(map(abs, seq)), sum(map(abs, drift))
     assert m["drift/engine_share"] == pytest.approx(e / (e + dr), rel=1e-6)
     assert mismatch_metrics(rollout, None, None, mask, Dist()) == {}
+    # async: the update's drift is measured from the weights it started from, not π_old
+    start = old + 0.05
+    m2 = mismatch_metrics(rollout, old, after, mask, Dist(), before=start)
+    drift2 = [d - 0.05 for d in drift]
+    assert m2["drift/seq_log_ratio_abs_max"] == pytest.approx(max(map(abs, drift2)), rel=1e-6)
+    assert m2["mismatch/seq_log_ratio_abs_max"] == m["mismatch/seq_log_ratio_abs_max"]
 
 
 def test_default_path_is_bit_identical_to_before(tmp_path):
