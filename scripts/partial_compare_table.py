@@ -10,7 +10,8 @@ Each run folder holds ``config.yaml`` and ``metrics.jsonl`` (or ``metrics.jsonl.
 folder holds the probe's ``compare.json``. Columns: steps done, held-out accuracy at each
 evaluation, mean reward per sampled response over steps 1-10 / 11-20 / the last 10, token and
 sequence clip fractions, the share of π_old's experts replaced after one update (first five
-steps, all steps), grad norm, response length and the median seconds per step.
+steps, all steps), grad norm, response length and the median seconds per step. Then a
+per-arm summary (mean ± std over the arm's runs, folders named ``<arm>_s<seed>``).
 """
 
 from __future__ import annotations
@@ -34,6 +35,51 @@ def read_metrics(run: Path) -> list[dict[str, Any]]:
 def _mean(rows: list[dict[str, Any]], key: str) -> float:
     vals = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
     return statistics.mean(vals) if vals else float("nan")
+
+
+def run_values(run: Path) -> dict[str, float] | None:
+    """The numbers one run contributes to the per-arm summary (None: no step taken)."""
+    rows = read_metrics(run)
+    steps = [r for r in rows if "train/loss" in r]
+    if not steps:
+        return None
+    evals = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r]
+    return {"steps": len(steps), "acc_before": evals[0] if evals else float("nan"),
+            "acc_last": evals[-1] if len(evals) > 1 else float("nan"),
+            "reward_all": _mean(steps, "reward/mean"),
+            "reward_last10": _mean(steps[-10:], "reward/mean"),
+            "clip_tokens": _mean(steps, "objective/clip_frac_tokens"),
+            "clip_seqs": _mean(steps, "objective/clip_frac_seqs"),
+            "experts_replaced": _mean(steps, "moe/expert_change_after_update"),
+            "seq_ratio_std": _mean(steps, "objective/seq_ratio_std"),
+            "grad_norm": _mean(steps, "train/grad_norm")}
+
+
+SUMMARY = [("acc_before", "held-out before", ".3f"), ("acc_last", "held-out at the last eval", ".3f"),
+           ("reward_all", "reward, all steps", ".3f"), ("reward_last10", "reward, last 10", ".3f"),
+           ("clip_tokens", "clip frac tokens", ".4f"), ("clip_seqs", "clip frac seqs", ".4f"),
+           ("experts_replaced", "experts replaced per update", ".4f"),
+           ("seq_ratio_std", "seq-ratio std", ".2e"), ("grad_norm", "grad norm", ".3f")]
+
+
+def arm_summary(folders: list[Path]) -> list[str]:
+    """Mean ± std over seeds per arm (folders named ``<arm>_s<seed>``)."""
+    by_arm: dict[str, list[dict[str, float]]] = {}
+    for f in folders:
+        v = run_values(f)
+        if v is not None:
+            by_arm.setdefault(f.name.rsplit("_s", 1)[0], []).append(v)
+    out = ["| arm | runs (steps) | " + " | ".join(t for _, t, _ in SUMMARY) + " |",
+           "|---" * (len(SUMMARY) + 2) + "|"]
+    for arm, vals in by_arm.items():
+        cells = []
+        for key, _, fmt in SUMMARY:
+            xs = [v[key] for v in vals if v[key] == v[key]]
+            sd = f" ± {statistics.stdev(xs):{fmt}}" if len(xs) > 1 else ""
+            cells.append(f"{statistics.mean(xs):{fmt}}{sd}" if xs else "—")
+        steps = ",".join(str(v["steps"]) for v in vals)
+        out.append(f"| {arm} | {len(vals)} ({steps}) | " + " | ".join(cells) + " |")
+    return out
 
 
 def run_row(run: Path) -> str | None:
@@ -80,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
           "| grad norm | response len | s/step |")
     print("|---" * 13 + "|")
     print("\n".join(runs))
+    print("\nPer arm, mean ± std over its runs:\n")
+    print("\n".join(arm_summary([f for f in folders if not f.name.startswith("probe_")])))
     if probes:
         print("\nOne update from the initial policy (the probe, one per seed):\n")
         print("| probe | experts replaced | worst layer | (token, layer) expert set changed |")

@@ -40,4 +40,5 @@ def test_rows_for_cut_runs_and_probes(tmp_path, capsys):
     assert cells[1:6] == ["25", "50.0% @0 / 25.0% @20", "1.000", "0.000", "0.000"]
     assert cells[6:] == ["0.5000", "0.2500", "10.00%", "10.00%", "2.000", "8.0", "3.00"]
     assert "| grpo_s0" not in out
+    assert "| gspo | 1 (25) | 0.500 | 0.250 | 0.400 | 0.000 | 0.5000 |" in out  # per arm
     assert "| probe_s0 | 6.00% | 10.00% (layer 1) | 20.00% |" in out
