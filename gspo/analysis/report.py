@@ -56,6 +56,8 @@ COLUMNS: list[tuple[str, str]] = [
     ("engine_share", "engine share of the drift"),
     ("staleness", "staleness (updates)"),
     ("staleness_drift", "staleness drift, mean abs Δ log π_i"),
+    ("async_engine_mismatch", "async engine mismatch, max abs log ρ_i"),
+    ("reward_per_s", "reward per second of training"),
     ("response_len", "response length"),
     ("entropy", "entropy"),
     ("wall_s", "wall time / run (s)"),
@@ -74,6 +76,7 @@ _STEP_MEANS = {"clip_frac_tokens": "objective/clip_frac_tokens",
                "engine_share": "drift/engine_share",
                "staleness": "async/staleness_mean",
                "staleness_drift": "async/staleness_drift_abs_mean",
+               "async_engine_mismatch": "async/engine_mismatch_abs_max",
                "response_len": "rollout/response_len_mean",
                "entropy": "train/entropy"}
 
@@ -95,7 +98,30 @@ def summarize_run(run_dir: Path) -> dict[str, float]:
            "wall_s": done["wall_s"], "steps": len(train)}
     for name, key in _STEP_MEANS.items():
         out[name] = _mean([r.get(key) for r in train])
+    out["reward_per_s"] = _reward_per_second(run_dir, train)
     return out
+
+
+def _reward_per_second(run_dir: Path, train: list[dict[str, Any]]) -> float:
+    """Reward collected per second of the steps themselves: Σ_steps mean reward × responses
+    scored / Σ_steps step time (the ``time/*`` phases; start-up and evaluations left out,
+    and the async engine's own sampling time too, which overlaps the trainer's). Dynamic
+    sampling scores more responses than a batch holds: its ``dynamic/groups_sampled`` counts."""
+    cfg = _yaml(run_dir / "config.yaml")
+    group = cfg["rollout"]["group_size"]
+    reward = seconds = 0.0
+    for r in train:
+        groups = r.get("dynamic/groups_sampled", cfg["rollout"]["prompts_per_step"])
+        reward += r.get("dynamic/sampled_reward_mean", r["reward/mean"]) * groups * group
+        seconds += sum(v for k, v in r.items() if k.startswith("time/") and k.endswith("_s")
+                       and k != "time/rollout_engine_s" and isinstance(v, (int, float)))
+    return reward / seconds if seconds > 0 else math.nan
+
+
+def _yaml(path: Path) -> dict[str, Any]:
+    import yaml
+
+    return yaml.safe_load(path.read_text())
 
 
 def _stats(values: list[float]) -> dict[str, float]:

@@ -142,3 +142,15 @@ def test_compare_default_folders_follow_the_file_name() -> None:
     assert default_name("configs/dense/variants.yaml") == "dense_variants"
     assert default_name("gspo/presets/async/compare.yaml") == "async_compare"
     assert default_name("mine.yaml") == "mine"
+
+
+def test_reward_per_second_counts_scored_responses_over_step_time(tmp_path):
+    from gspo.analysis.report import _reward_per_second
+
+    (tmp_path / "config.yaml").write_text("rollout: {prompts_per_step: 2, group_size: 4}\n")
+    rows = [{"reward/mean": 0.5, "time/rollout_s": 1.0, "time/update_s": 1.0,
+             "time/rollout_engine_s": 5.0},  # the engine's overlapping time is not counted
+            {"reward/mean": 1.0, "dynamic/sampled_reward_mean": 0.25,
+             "dynamic/groups_sampled": 4.0, "time/update_s": 2.0}]
+    # (0.5 * 2 * 4 + 0.25 * 4 * 4) / (2 + 2)
+    assert _reward_per_second(tmp_path, rows) == 2.0
