@@ -43,7 +43,10 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarize(spec, runs, {})
     summary["total_wall_s"] = args.wall_min * 60
     summary["command"] = (f"gspo compare {args.spec}, run as {len(args.runs)} processes side by "
-                          f"side (--arms subsets), report by scripts/compare_report.py")
+                          f"side (--arms subsets), report by scripts/compare_report.py"
+                          if len(args.runs) > 1 else
+                          f"gspo compare {args.spec}, report rewritten by "
+                          f"scripts/compare_report.py")
     write_report(summary, runs, Path(args.out))
     print(f"wrote {args.out}/results.md")
     return 0

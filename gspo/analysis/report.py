@@ -98,6 +98,8 @@ def summarize_run(run_dir: Path) -> dict[str, float]:
            "wall_s": done["wall_s"], "steps": len(train)}
     for name, key in _STEP_MEANS.items():
         out[name] = _mean([r.get(key) for r in train])
+    if math.isnan(out["sampled_reward"]):  # no dynamic sampling: every response is trained on
+        out["sampled_reward"] = _mean([r["reward/mean"] for r in train])
     out["reward_per_s"] = _reward_per_second(run_dir, train)
     return out
 
