@@ -145,7 +145,11 @@ def _check_two_ranks(tmp_path, combos):
     assert len(results) == len(combos)
     for name, r in results.items():
         assert r["moved"] > 1e-4, name  # the step changed the weights
-        assert r["err"] < 1e-6, (name, r)  # ... exactly as one process does
+        # ... as one process does, to fp32 rounding. AdamW's first step divides each gradient
+        # by its own magnitude, so a gradient near eps turns the sharded sum's rounding into
+        # a few thousandths of the step: fsdp2-gspo-tiny:qwen3_moe gives 1.39e-6 since the
+        # 2026-12-04 packages (transformers 5.25), and commit b0cfa0f gives the same there.
+        assert r["err"] < 3e-6, (name, r)
         assert r["stat_err"] < 1e-5, (name, r)  # clip fractions etc. are the global values
     # The sharded checkpoint written by 2 ranks loads into one plain process.
     from gspo.trainer.distributed import load_sharded
