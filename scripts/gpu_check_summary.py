@@ -20,6 +20,8 @@ from pathlib import Path
 
 import yaml
 
+from gspo.analysis.report import step_seconds
+
 
 def summarise(run_dir: Path) -> dict[str, float | int | None]:
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()
@@ -27,8 +29,7 @@ def summarise(run_dir: Path) -> dict[str, float | int | None]:
     steps = [r for r in rows if "train/loss" in r]
     if not steps:
         raise SystemExit(f"{run_dir}: no training step logged")
-    secs = [sum(v for k, v in r.items() if k.startswith("time/") and k != "time/rollout_engine_s"
-                and isinstance(v, (int, float))) for r in steps]
+    secs = [step_seconds(r) for r in steps]
     tail = secs[1:] or secs
     tokens = [r.get("rollout/response_len_mean", 0.0) for r in steps]
     gap = [r["rollout/logprob_gap_abs_max"] for r in steps if "rollout/logprob_gap_abs_max" in r]

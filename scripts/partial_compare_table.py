@@ -24,6 +24,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from gspo.analysis.report import step_seconds
+
 
 def read_metrics(run: Path) -> list[dict[str, Any]]:
     plain, packed = run / "metrics.jsonl", run / "metrics.jsonl.gz"
@@ -55,7 +57,8 @@ def run_values(run: Path) -> dict[str, float] | None:
             "grad_norm": _mean(steps, "train/grad_norm")}
 
 
-SUMMARY = [("acc_before", "held-out before", ".3f"), ("acc_last", "held-out at the last eval", ".3f"),
+SUMMARY = [("acc_before", "held-out before", ".3f"),
+           ("acc_last", "held-out at the last eval", ".3f"),
            ("reward_all", "reward, all steps", ".3f"), ("reward_last10", "reward, last 10", ".3f"),
            ("clip_tokens", "clip frac tokens", ".4f"), ("clip_seqs", "clip frac seqs", ".4f"),
            ("experts_replaced", "experts replaced per update", ".4f"),
@@ -89,9 +92,7 @@ def run_row(run: Path) -> str | None:
         return None
     evals = " / ".join(f"{r['eval/accuracy']:.1%} @{r.get('step', '?')}" for r in rows
                        if "eval/accuracy" in r)
-    step_s = statistics.median(
-        sum(v for k, v in r.items() if k.startswith("time/") and k.endswith("_s")
-            and k != "time/rollout_engine_s") for r in steps)
+    step_s = statistics.median(step_seconds(r) for r in steps)
     cells = [run.name, str(len(steps)), evals or "—",
              f"{_mean(steps[:10], 'reward/mean'):.3f}", f"{_mean(steps[10:20], 'reward/mean'):.3f}",
              f"{_mean(steps[-10:], 'reward/mean'):.3f}",

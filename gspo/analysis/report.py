@@ -34,6 +34,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from gspo.analysis.report_plots import plot_compare
 from gspo.trainer.metrics import read_metrics
 
@@ -104,26 +106,26 @@ def summarize_run(run_dir: Path) -> dict[str, float]:
     return out
 
 
+def step_seconds(row: dict[str, Any]) -> float:
+    """The trainer's wall seconds for one logged step: the sum of its ``time/*_s`` phases,
+    without the async engine's own sampling time (``time/rollout_engine_s``), which overlaps
+    the trainer's."""
+    return sum(v for k, v in row.items() if k.startswith("time/") and k.endswith("_s")
+               and k != "time/rollout_engine_s" and isinstance(v, (int, float)))
+
+
 def _reward_per_second(run_dir: Path, train: list[dict[str, Any]]) -> float:
     """Reward collected per second of the steps themselves: Σ_steps mean reward × responses
-    scored / Σ_steps step time (the ``time/*`` phases; start-up and evaluations left out,
-    and the async engine's own sampling time too, which overlaps the trainer's). Dynamic
+    scored / Σ_steps :func:`step_seconds` (start-up and evaluations left out). Dynamic
     sampling scores more responses than a batch holds: its ``dynamic/groups_sampled`` counts."""
-    cfg = _yaml(run_dir / "config.yaml")
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
     group = cfg["rollout"]["group_size"]
     reward = seconds = 0.0
     for r in train:
         groups = r.get("dynamic/groups_sampled", cfg["rollout"]["prompts_per_step"])
         reward += r.get("dynamic/sampled_reward_mean", r["reward/mean"]) * groups * group
-        seconds += sum(v for k, v in r.items() if k.startswith("time/") and k.endswith("_s")
-                       and k != "time/rollout_engine_s" and isinstance(v, (int, float)))
+        seconds += step_seconds(r)
     return reward / seconds if seconds > 0 else math.nan
-
-
-def _yaml(path: Path) -> dict[str, Any]:
-    import yaml
-
-    return yaml.safe_load(path.read_text())
 
 
 def _stats(values: list[float]) -> dict[str, float]:

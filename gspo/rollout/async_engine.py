@@ -18,7 +18,7 @@ model has); the engine process rebuilds the model around views of it from a weig
 through a Python float exactly), not as one shared tensor per row.
 
 On a GPU the slots stay in shared CPU memory (the trainer's publish is one device-to-host
-copy per tensor) and the engine process keeps one model on the device, itself views of one
+copy per dtype) and the engine process keeps one model on the device, itself views of one
 flat device buffer per dtype: before a batch from another version it copies that slot in,
 one host-to-device copy per dtype.
 

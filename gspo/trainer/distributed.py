@@ -243,19 +243,15 @@ def prepare(cfg: Any, model: Any, ref_model: Any = None) -> Dist:
     before the optimizer is built, because FSDP2 replaces the parameters with sharded ones.
     """
     d = init_from_env(cfg.dist.strategy, resolve_device(cfg.device))
-    if not d.enabled:
-        if d.device.type != "cpu":  # one process on a GPU (the CPU path moves nothing)
-            if d.device.type == "cuda" and d.device.index is not None:
-                torch.cuda.set_device(d.device)
-            model.to(d.device)
-            if ref_model is not None:
-                ref_model.to(d.device)
-        return d
-    _check(cfg, d)
-    model.to(d.device)
+    if d.enabled:
+        _check(cfg, d)
+    if d.device.type == "cuda" and d.device.index is not None:
+        torch.cuda.set_device(d.device)
+    model.to(d.device)  # a no-op when the policy is already there (one process on the CPU)
     if ref_model is not None:
         ref_model.to(d.device)
-    d.engine = wrap(model, d)
+    if d.enabled:
+        d.engine = wrap(model, d)
     return d
 
 
