@@ -43,6 +43,9 @@ DEVICE=${GSPO_GPU_DEVICE:-cuda}            # cpu: a dry run of this script on an
 COMPARE_ARGS=${GSPO_GPU_COMPARE_ARGS:-}    # --quick: the comparison's seconds-long setting
 STAGES=${GSPO_GPU_STAGES:-"tests default vllm compare"}  # a subset reruns only those stages
 TESTS=${GSPO_GPU_TESTS:-}                  # e.g. "-k probe": a subset of the CUDA tests
+SPEC=${GSPO_GPU_COMPARE_SPEC:-configs/moe/upcycled_compare.yaml}
+EXTRA=${GSPO_GPU_COMPARE_OVERRIDES:-}      # e.g. "optim.lr=3e-5": key=value for every compare run
+MIN_LEFT=${GSPO_GPU_START_MIN_LEFT:-60}    # start a queued run only with this many seconds left
 want() { [[ " $STAGES " == *" $1 "* ]]; }
 START=$(date +%s)
 mkdir -p "$RESULTS/logs" "$STAGE"
@@ -180,7 +183,6 @@ if ! want compare; then
 elif { [ "$HAVE_SMOLLM2" != 1 ] && [ -z "$COMPARE_ARGS" ]; } || [ "$left" -lt 120 ]; then
     note "upcycled comparison: SKIPPED ($([ "$left" -lt 120 ] && echo "only $left s left" || echo "no SmolLM2"))"
 else
-    SPEC=configs/moe/upcycled_compare.yaml
     RUNS=$RESULTS/upcycled_runs
     UP=$("$PY" -c "import yaml; print(yaml.safe_load(open('configs/moe/upcycled.yaml'))['model'])")
     if [ -z "$COMPARE_ARGS" ]; then  # build the cached upcycled folder once, not in 15 runs
@@ -190,7 +192,7 @@ else
     ARMS=$("$PY" -c "import yaml; print(' '.join(yaml.safe_load(open('$SPEC'))['arms']))")
     SEEDS=$("$PY" -c "import yaml; print(' '.join(map(str, yaml.safe_load(open('$SPEC'))['seeds'])))")
     left=$(( DEADLINE - $(elapsed) ))
-    note "upcycled comparison: $(echo $ARMS | wc -w) arms x $(echo $SEEDS | wc -w) seeds on the GPU, up to ${GSPO_GPU_PARALLEL:-9} side by side (one process and runs folder each), ${left} s budget"
+    note "upcycled comparison ($SPEC${EXTRA:+ $EXTRA}): $(echo $ARMS | wc -w) arms x $(echo $SEEDS | wc -w) seeds on the GPU, up to ${GSPO_GPU_PARALLEL:-9} side by side (one process and runs folder each), ${left} s budget"
     # At most PARALLEL runs at once: each upcycled run holds ~13 GiB of GPU memory at its
     # peak (measured on an H200: 15 at once ran out of its 140 GiB), so the default, 9, keeps
     # ~20 GiB spare; the rest start as runs finish, until the deadline.
@@ -200,11 +202,11 @@ else
     while read -r arm seed; do
         while [ "$(jobs -rp | wc -l)" -ge "$PARALLEL" ]; do sleep 2; done
         left=$(( DEADLINE - $(elapsed) ))
-        [ "$left" -lt 60 ] && { note "upcycled comparison: ${arm}_s$seed not started (deadline)"; continue; }
+        [ "$left" -lt "$MIN_LEFT" ] && { note "upcycled comparison: ${arm}_s$seed not started (deadline)"; continue; }
         timeout --signal=TERM --kill-after=15 "$left" "$PY" -m gspo compare "$SPEC" $COMPARE_ARGS \
             --arms "$arm" --seeds "$seed" --runs "$RUNS/${arm}_s$seed" \
             --out "$RESULTS/upcycled_part/${arm}_s$seed" \
-            device="$DEVICE" num_threads=1 save_final=false progress=false \
+            device="$DEVICE" num_threads=1 save_final=false progress=false $EXTRA \
             > "$RESULTS/logs/upcycled_${arm}_s$seed.log" 2>&1 &
     done < "$RESULTS/logs/queue"
     wait
