@@ -12,6 +12,7 @@ side by side (one thread each); this script then reads both folders and writes t
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -26,6 +27,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("runs", nargs="+", help="runs folders holding the finished runs")
     p.add_argument("--wall-min", type=float, default=0.0,
                    help="wall time of the whole comparison, minutes (stated in the report)")
+    p.add_argument("--partial", action="store_true",
+                   help="report the finished runs even when some (arm, seed) has none; every "
+                        "arm still needs one, and the missing runs are named in the report")
+    p.add_argument("--probes", metavar="DIR",
+                   help="folder holding the routing probes (probe_s<seed>/compare.json)")
     args = p.parse_args(argv)
     spec = load_spec(args.spec)
     runs: dict[str, dict[int, Path]] = {}
@@ -37,16 +43,23 @@ def main(argv: list[str] | None = None) -> int:
                 runs.setdefault(arm.name, {})[seed] = found[0]
     missing = [f"{a.name}_s{s}" for a in spec.arms for s in spec.seeds
                if s not in runs.get(a.name, {})]
-    if missing:
+    if missing and not (args.partial and all(runs.get(a.name) for a in spec.arms)):
         print(f"compare_report: no finished run for {', '.join(missing)}", file=sys.stderr)
         return 2
-    summary = summarize(spec, runs, {})
+    probes: dict[int, dict] = {}
+    for seed in spec.seeds if args.probes else []:
+        f = Path(args.probes) / f"probe_s{seed}" / "compare.json"
+        if f.is_file():
+            probes[seed] = json.loads(f.read_text())
+    summary = summarize(spec, runs, probes)
     summary["total_wall_s"] = args.wall_min * 60
     summary["command"] = (f"gspo compare {args.spec}, run as {len(args.runs)} processes side by "
                           f"side (--arms subsets), report by scripts/compare_report.py"
                           if len(args.runs) > 1 else
                           f"gspo compare {args.spec}, report rewritten by "
                           f"scripts/compare_report.py")
+    if missing:
+        summary["command"] += f"; runs missing (not finished): {', '.join(missing)}"
     write_report(summary, runs, Path(args.out))
     print(f"wrote {args.out}/results.md")
     return 0
