@@ -6,7 +6,9 @@ the π_old pass, ``minibatches`` AdamW steps, GSPO ε 3e-4/4e-4, fp32), so the T
 benchmark's, configured the same way. Arms (``--arms``), each with its thread count in its name:
 
 - ``sync@1``, ``sync@2``: gspo's synchronous loop on 1 and 2 torch threads (item 4: the
-  phase-by-phase thread scaling is read from these two);
+  phase-by-phase thread scaling is read from these two); ``sync-blas@1``, ``sync-blas@2``: the
+  same with the decode steps' products through ``F.linear`` (``rollout.decode_matmul=blas``, the
+  loop before the oneDNN decode);
 - ``async1@1+1``, ``async2@1+1``: ``rollout.async_steps=1`` / ``2``, the trainer on 1 thread and
   the engine process on 1 (``rollout.async_threads=1``): 2 cores in all; the engine also runs
   the π_old pass (``old_logprobs=recompute`` in the async loop);
@@ -40,6 +42,9 @@ from benchmarks.common import abba, fmt, machine, median, result_name, run_child
 ARMS: dict[str, tuple[str, int, int, list[str]]] = {
     "sync@1": ("gspo", 1, 0, []),
     "sync@2": ("gspo", 2, 0, []),
+    # the decode steps' products through F.linear (MKL) instead of oneDNN's packed weights
+    "sync-blas@1": ("gspo", 1, 0, ["rollout.decode_matmul=blas"]),
+    "sync-blas@2": ("gspo", 2, 0, ["rollout.decode_matmul=blas"]),
     "async1@1+1": ("gspo", 1, 1, ["rollout.async_steps=1", "rollout.async_threads=1"]),
     "async2@1+1": ("gspo", 1, 1, ["rollout.async_steps=2", "rollout.async_threads=1"]),
     "trl@1": ("trl", 1, 0, []),
@@ -141,6 +146,15 @@ def summarize(results: list[dict[str, Any]], warmup: int, flops: dict[str, float
         out["thread_scaling"] = {
             k: sync[1][k] / sync[2][k] for k in ("step_s", "rollout_s", "update_s",
                                                   "old_logprobs_s") if sync[2].get(k)}
+    blas = {t: arms.get(f"sync-blas@{t}") for t in (1, 2)}
+    if blas[1] and blas[2]:
+        out["thread_scaling_blas"] = {
+            k: blas[1][k] / blas[2][k] for k in ("step_s", "rollout_s", "update_s",
+                                                  "old_logprobs_s") if blas[2].get(k)}
+    for t in (1, 2):
+        if sync[t] and blas[t]:
+            out.setdefault("onednn_over_blas", {})[f"@{t}"] = {
+                k: blas[t][k] / sync[t][k] for k in ("step_s", "rollout_s", "update_s")}
     for arm, s in arms.items():  # item 5: async step vs max(rollout, update) of a sync step
         if arm.startswith("async"):
             for t, sy in sync.items():
@@ -176,6 +190,13 @@ def table(model: str, summary: dict[str, Any], flops: dict[str, float],
         rows.append("")
         rows.append("Thread scaling, sync@1 / sync@2 (s): " + ", ".join(
             f"{k.removesuffix('_s')} {v:.2f}×" for k, v in summary["thread_scaling"].items()))
+    if "thread_scaling_blas" in summary:
+        rows.append("Thread scaling, sync-blas@1 / sync-blas@2 (s): " + ", ".join(
+            f"{k.removesuffix('_s')} {v:.2f}×"
+            for k, v in summary["thread_scaling_blas"].items()))
+    for t, r in summary.get("onednn_over_blas", {}).items():
+        rows.append(f"- oneDNN decode vs blas decode {t}: " + ", ".join(
+            f"{k.removesuffix('_s')} {v:.2f}× faster" for k, v in r.items()))
     for name, r in summary.get("async_vs_bound", {}).items():
         rows.append(f"- {name}: async step / max(rollout, rest) of the sync step = "
                     f"{r['ratio']:.2f} (bound {r['bound_s']:.2f} s); {r['speedup']:.2f}× faster")

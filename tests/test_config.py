@@ -279,6 +279,12 @@ def test_yaml_timestamp_like_override_is_a_string_or_error():
     (["steps=-1"], "steps"),
     (["keep_checkpoints=0"], "keep_checkpoints"),
     (["rollout.temperature=nan"], "rollout.temperature"),
+    (["rollout.decode_matmul=blas", "rollout.fast_decode=false"], "rollout.decode_matmul=blas"),
+    (["rollout.decode_matmul=onednn", "rollout.engine=vllm"], "rollout.decode_matmul=onednn"),
+    (["rollout.decode_matmul=onednn", "rollout.precision=bf16"], "rollout.decode_matmul=onednn"),
+    (["rollout.decode_matmul=onednn", "dtype=bfloat16"], "rollout.decode_matmul=onednn"),
+    (["rollout.decode_matmul=onednn", "device=cuda:0"], "rollout.decode_matmul=onednn"),
+    (["rollout.decode_matmul=mkl"], "rollout.decode_matmul"),
 ])
 def test_cross_field_checks(overrides, needle):
     with pytest.raises(ConfigError) as e:

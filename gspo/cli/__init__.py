@@ -95,7 +95,8 @@ def cmd_eval(argv: list[str]) -> int:
     res = evaluate(model, tok, task.eval_examples, scorer, chat_template=cfg.task.chat_template,
                    system_prompt=cfg.task.system_prompt,
                    max_new_tokens=cfg.rollout.eval_max_new_tokens, eos=eos_ids(model, tok),
-                   pad_id=tok.pad_token_id)
+                   pad_id=tok.pad_token_id, fast_decode=cfg.rollout.fast_decode,
+                   decode_matmul=cfg.rollout.decode_matmul)
     print(f"accuracy {res['accuracy']:.1%}  reward_mean {res['reward_mean']:.3f}  "
           f"n {int(res['n'])}")
     return 0

@@ -19,7 +19,9 @@ rollout's ``max_new_tokens`` steps.
   tabulated once per rollout for the positions it can reach (per step for the rope types that
   adapt to the length seen so far);
 - Llama-family RMS norms are written out (bitwise equal, fewer temporaries), and in small layers
-  the q/k/v and gate/up projections run as one matrix product each.
+  the q/k/v and gate/up projections run as one matrix product each;
+- with ``packed`` (a CPU float32 model: ``rollout.decode_matmul``), every projection and the
+  output layer multiply through oneDNN on weights packed once per rollout (:class:`_Linear`).
 
 It covers the architectures whose decoder layers are exactly Llama's shape (``llama``,
 ``qwen2``, ``qwen3`` without sliding-window layers) with plain ``nn.Linear`` projections;
@@ -124,6 +126,53 @@ class _Norm:
 FUSE_MAX_BYTES = 1 << 20
 
 
+def onednn_available() -> bool:
+    """Whether this torch build can run :class:`_Linear`'s oneDNN path (CPU, fp32)."""
+    return (torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+def packable(model: Any) -> str | None:
+    """Why the decode steps of ``model`` cannot use oneDNN's packed fp32 weights (None: they
+    can): they need a CPU model in float32 and a torch build with oneDNN."""
+    w = model.get_input_embeddings().weight
+    if w.device.type != "cpu":
+        return f"the model is on {w.device.type}, not the CPU"
+    if w.dtype != torch.float32:
+        return f"the model is in {w.dtype}, not float32"
+    if not onednn_available():
+        return "this torch build has no oneDNN (mkldnn) CPU kernels"
+    return None
+
+
+class _Linear:
+    """``x Wᵀ + b`` for one projection of the decode step.
+
+    Plain (``rows`` None): ``F.linear``, i.e. torch's BLAS (MKL on x86). Packed (``rows``: the
+    rows of the decode batch): the weight is reordered once per rollout into oneDNN's blocked
+    layout for that batch size, and every step multiplies through oneDNN, the path PyTorch's
+    own inductor takes for frozen CPU linears. At a decode step's shapes (16 rows, weights
+    read from memory) MKL's fp32 GEMM is far from both the core's FLOP rate and the memory
+    bandwidth on the 2-core AMD CI machine, and gains little from a second core; the packed
+    product is 1.5-3x faster and scales better (``python -m benchmarks.bench_decode_matmul``).
+    The two agree to fp32 rounding (tests/models/test_decode.py). Packing copies the weights
+    when the decoder is built (once per rollout: ~0.2 s for SmolLM2), so a decoder never
+    outlives an update.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, rows: int | None
+                 ) -> None:
+        self.weight, self.bias = weight, bias
+        self.packed = (None if rows is None else
+                       torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            return F.linear(x, self.weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
 def _fused_bytes(layer: nn.Module) -> int:
     attn, mlp = layer.self_attn, layer.mlp
     return sum(p.weight.numel() * p.weight.element_size() for p in (
@@ -135,37 +184,41 @@ class _Layer:
     the gate/up projections run as one matrix product each on concatenated weights (a copy,
     made once per rollout; fewer calls per step), else one call per projection."""
 
-    def __init__(self, layer: nn.Module, fuse: bool) -> None:
+    def __init__(self, layer: nn.Module, fuse: bool, rows: int | None = None) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         self.norm1, self.norm2 = _Norm(layer.input_layernorm), _Norm(layer.post_attention_layernorm)
         self.q_norm = _Norm(attn.q_norm) if hasattr(attn, "q_norm") else None
         self.k_norm = _Norm(attn.k_norm) if hasattr(attn, "k_norm") else None
-        self.wo, self.bo = attn.o_proj.weight, attn.o_proj.bias
+        self.o = _Linear(attn.o_proj.weight, attn.o_proj.bias, rows)
         self.act = mlp.act_fn
-        self.down = mlp.down_proj
+        self.down = _Linear(mlp.down_proj.weight, mlp.down_proj.bias, rows)
         projs = (attn.q_proj, attn.k_proj, attn.v_proj)
         self.splits = [p.out_features for p in projs]
         groups = (projs, (mlp.gate_proj, mlp.up_proj))
         # a group whose projections disagree on having a bias stays unfused
         self.fused = fuse = fuse and all(len({p.bias is None for p in g}) == 1 for g in groups)
         if fuse:
-            (self.wqkv, self.bqkv), (self.wgu, self.bgu) = (
-                (torch.cat([p.weight for p in g]),
-                 None if g[0].bias is None else torch.cat([p.bias for p in g])) for g in groups)
-        self.projs, self.gate, self.up = projs, mlp.gate_proj, mlp.up_proj
+            self.qkv_all, self.gate_up = (
+                _Linear(torch.cat([p.weight for p in g]),
+                        None if g[0].bias is None else torch.cat([p.bias for p in g]), rows)
+                for g in groups)
+        else:
+            self.projs = [_Linear(p.weight, p.bias, rows) for p in projs]
+            self.gate, self.up = (_Linear(p.weight, p.bias, rows)
+                                  for p in (mlp.gate_proj, mlp.up_proj))
 
     def qkv(self, h: torch.Tensor, n: int, d: int, cos: torch.Tensor, sin: torch.Tensor
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rotated queries and keys, and values, of ``h`` [n, hidden]: [n, heads, 1, d] each."""
         nq, nk = self.splits[0] // d, self.splits[1] // d
         if self.fused and self.q_norm is None:  # one rotation for the queries and keys together
-            qkv = F.linear(h, self.wqkv, self.bqkv)
+            qkv = self.qkv_all(h)
             qk = _rope(qkv[:, :(nq + nk) * d].view(n, -1, 1, d), cos, sin)
             return qk[:, :nq], qk[:, nq:], qkv[:, (nq + nk) * d:].view(n, -1, 1, d)
         if self.fused:
-            q, k, v = F.linear(h, self.wqkv, self.bqkv).split(self.splits, dim=-1)
+            q, k, v = self.qkv_all(h).split(self.splits, dim=-1)
         else:
-            q, k, v = (F.linear(h, p.weight, p.bias) for p in self.projs)
+            q, k, v = (p(h) for p in self.projs)
         q, k, v = q.view(n, -1, 1, d), k.view(n, -1, 1, d), v.view(n, -1, 1, d)
         if self.q_norm is not None:  # Qwen3: RMS norm per head before the rotation
             q, k = self.q_norm(q), self.k_norm(k)
@@ -173,11 +226,10 @@ class _Layer:
 
     def mlp(self, h: torch.Tensor) -> torch.Tensor:
         if self.fused:
-            gate, up = F.linear(h, self.wgu, self.bgu).chunk(2, dim=-1)
+            gate, up = self.gate_up(h).chunk(2, dim=-1)
         else:
-            gate = F.linear(h, self.gate.weight, self.gate.bias)
-            up = F.linear(h, self.up.weight, self.up.bias)
-        return F.linear(self.act(gate) * up, self.down.weight, self.down.bias)
+            gate, up = self.gate(h), self.up(h)
+        return self.down(self.act(gate) * up)
 
 
 class DenseDecoder:
@@ -192,16 +244,17 @@ class DenseDecoder:
     """
 
     def __init__(self, model: Any, cache: Any, mask: torch.Tensor, extra: int,
-                 fuse: bool | None = None) -> None:
-        why = unsupported(model)
+                 fuse: bool | None = None, packed: bool = False) -> None:
+        why = unsupported(model) or (packable(model) if packed else None)
         if why is not None:
             raise ValueError(f"DenseDecoder: {why}")
         body = model.model
         self.embed, self.norm, self.rotary = body.embed_tokens, _Norm(body.norm), body.rotary_emb
-        self.head = model.lm_head
+        rows = mask.shape[0] if packed else None
+        self.head = _Linear(model.lm_head.weight, model.lm_head.bias, rows)
         if fuse is None:
             fuse = all(_fused_bytes(layer) <= FUSE_MAX_BYTES for layer in body.layers)
-        self.layers = [_Layer(layer, fuse) for layer in body.layers]
+        self.layers = [_Layer(layer, fuse, rows) for layer in body.layers]
         attn = body.layers[0].self_attn
         self.head_dim = attn.head_dim
         self.groups = attn.num_key_value_groups
@@ -257,7 +310,7 @@ class DenseDecoder:
             weights = torch.softmax(scores.mul_(self.scaling).add_(bias), dim=-1,
                                     dtype=torch.float32).to(values.dtype)
             o = torch.matmul(weights, values).reshape(n, -1)  # [n, heads * d]
-            x = x + F.linear(o, layer.wo, layer.bo)
+            x = x + layer.o(o)
             x = x + layer.mlp(layer.norm2(x))
         self.width = s + 1
-        return F.linear(self.norm(x), self.head.weight, self.head.bias)
+        return self.head(self.norm(x))

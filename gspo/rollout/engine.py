@@ -56,6 +56,7 @@ class EngineOptions:
     seed: int = 0
     record_routing: bool = False  # fill Rollout.routing (routing replay R3)
     fast_decode: bool = True  # hf: lean prefill and DenseDecoder steps where they apply
+    decode_matmul: str = "auto"  # hf: DenseDecoder's products, "auto" / "blas" / "onednn"
     memory_fraction: float = 0.3  # vllm: share of device memory for weights and KV cache
 
 

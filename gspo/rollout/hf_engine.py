@@ -64,7 +64,8 @@ class HFEngine:
         return generate(self.model, prompts, group_size=group_size, params=params, eos=self.eos,
                         pad_id=self.pad_id, generator=gens,
                         record_routing=self.opts.record_routing,
-                        fast_decode=self.opts.fast_decode)
+                        fast_decode=self.opts.fast_decode,
+                        decode_matmul=self.opts.decode_matmul)
 
     @torch.no_grad()
     def sync_weights(self, policy: Any) -> None:

@@ -123,12 +123,12 @@ def multi_turn(sample: SampleFn, prompts: list[list[int]], envs: list[Env], *,
 
 
 def greedy_sampler(model: Any, *, max_new_tokens: int, eos: list[int], pad_id: int,
-                   fast_decode: bool = True) -> SampleFn:
+                   fast_decode: bool = True, decode_matmul: str = "auto") -> SampleFn:
     """A :data:`SampleFn` of greedy turns (evaluation); seeds are not used."""
     def sample(contexts: list[list[int]], group_size: int, seeds: list[int]) -> Rollout:
         return generate(model, contexts, group_size=group_size,
                         params=SamplingParams(max_new_tokens), eos=eos, pad_id=pad_id,
-                        greedy=True, fast_decode=fast_decode)
+                        greedy=True, fast_decode=fast_decode, decode_matmul=decode_matmul)
     return sample
 
 

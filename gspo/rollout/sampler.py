@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from gspo.models.decode import DenseDecoder, unsupported
+from gspo.models.decode import DenseDecoder, packable, unsupported
 from gspo.models.lean_forward import inference_safe, key_bias, lean_hidden
 from gspo.models.moe import capture_routing, router_modules
 from gspo.rollout.batch import Rollout
@@ -241,7 +241,7 @@ def generate(model: Any, prompts: list[list[int]], *, group_size: int, params: S
              eos: list[int], pad_id: int,
              generator: torch.Generator | list[torch.Generator] | None = None,
              greedy: bool = False, record_routing: bool = False,
-             fast_decode: bool = True) -> Rollout:
+             fast_decode: bool = True, decode_matmul: str = "auto") -> Rollout:
     """Sample ``group_size`` responses for each prompt; rows of a group are contiguous.
 
     ``generator`` may be a list with one generator per prompt: each group then draws from its
@@ -254,7 +254,12 @@ def generate(model: Any, prompts: list[list[int]], *, group_size: int, params: S
     ``fast_decode`` runs the prefill through :func:`gspo.models.lean_forward.lean_hidden` and
     the decode steps through :class:`gspo.models.decode.DenseDecoder` when the model is one
     they cover (and no routing is recorded); else both through ``forward``.
+    ``decode_matmul`` picks the decode steps' matrix products (:class:`DenseDecoder`'s
+    ``packed``): "blas" (``F.linear``), "onednn" (packed weights; a CPU float32 model), "auto"
+    (onednn where :func:`gspo.models.decode.packable` allows).
     """
+    if decode_matmul not in ("auto", "blas", "onednn"):
+        raise ValueError(f"decode_matmul: {decode_matmul!r} is not one of auto, blas, onednn")
     was_training = model.training
     model.eval()
     dev = model.get_input_embeddings().weight.device  # everything below is built there
@@ -267,8 +272,10 @@ def generate(model: Any, prompts: list[list[int]], *, group_size: int, params: S
         # The fast path runs in inference mode (no autograd bookkeeping on any tensor: a tiny
         # model's decode step 0.81 -> 0.67 ms); what it returns is copied out of it below.
         with torch.inference_mode(lean and inference_safe(model)):
+            packed = lean and (decode_matmul == "onednn" or (
+                decode_matmul == "auto" and packable(model) is None))
             roll = _generate(model, prompts, ids, mask, positions, group_size, params, eos,
-                             generator, greedy, log, lean)
+                             generator, greedy, log, lean, packed)
     finally:
         if log is not None:
             log.close()
@@ -297,7 +304,7 @@ def _lean_prefill(model: Any, ids: torch.Tensor, mask: torch.Tensor, positions: 
 def _generate(model: Any, prompts: list[list[int]], ids: torch.Tensor, mask: torch.Tensor,
               positions: torch.Tensor, group_size: int, params: SamplingParams, eos: list[int],
               generator: torch.Generator | list[torch.Generator] | None, greedy: bool,
-              log: _RoutingLog | None, lean: bool) -> Rollout:
+              log: _RoutingLog | None, lean: bool, packed: bool = False) -> Rollout:
     if lean:
         cache, logits = _lean_prefill(model, ids, mask, positions)
     else:
@@ -312,7 +319,7 @@ def _generate(model: Any, prompts: list[list[int]], ids: torch.Tensor, mask: tor
         mask = mask.repeat_interleave(group_size, 0)
     n, steps = logits.shape[0], params.max_new_tokens
     _reserve(cache, steps)
-    decoder = DenseDecoder(model, cache, mask, steps) if lean else None
+    decoder = DenseDecoder(model, cache, mask, steps, packed=packed) if lean else None
     dev = ids.device
     # drawn on the CPU generators (the same samples on any device), used where the logits are
     u = None if greedy else _uniforms(n, group_size, steps, generator).to(dev)
@@ -366,8 +373,10 @@ def _generate(model: Any, prompts: list[list[int]], ids: torch.Tensor, mask: tor
 
 
 def greedy_generate(model: Any, prompts: list[list[int]], *, max_new_tokens: int, eos: list[int],
-                    pad_id: int, fast_decode: bool = True) -> list[list[int]]:
+                    pad_id: int, fast_decode: bool = True, decode_matmul: str = "auto"
+                    ) -> list[list[int]]:
     """Greedy responses (evaluation)."""
     roll = generate(model, prompts, group_size=1, params=SamplingParams(max_new_tokens),
-                    eos=eos, pad_id=pad_id, greedy=True, fast_decode=fast_decode)
+                    eos=eos, pad_id=pad_id, greedy=True, fast_decode=fast_decode,
+                    decode_matmul=decode_matmul)
     return roll.response_ids

@@ -15,6 +15,7 @@ from gspo.rollout.multiturn import TurnLoop, greedy_sampler
 def evaluate(model: Any, tokenizer: Any, examples: list[Any], scorer: Any, *,
              chat_template: bool, system_prompt: str, max_new_tokens: int, eos: list[int],
              pad_id: int, batch_size: int = 32, fast_decode: bool = True,
+             decode_matmul: str = "auto",
              turns: TurnLoop | None = None) -> dict[str, float]:
     """Greedy responses scored by the run's reward functions (``turns``: greedy episodes of
     the run's multi-turn loop, scored on the whole transcript).
@@ -30,10 +31,12 @@ def evaluate(model: Any, tokenizer: Any, examples: list[Any], scorer: Any, *,
                                  system_prompt=system_prompt) for ex in chunk]
         if turns is None:
             out = greedy_generate(model, prompts, max_new_tokens=max_new_tokens, eos=eos,
-                                  pad_id=pad_id, fast_decode=fast_decode)
+                                  pad_id=pad_id, fast_decode=fast_decode,
+                                  decode_matmul=decode_matmul)
         else:
             sample = greedy_sampler(model, max_new_tokens=max_new_tokens, eos=eos,
-                                    pad_id=pad_id, fast_decode=fast_decode)
+                                    pad_id=pad_id, fast_decode=fast_decode,
+                                    decode_matmul=decode_matmul)
             out = turns.run(sample, chunk, prompts, [0] * len(chunk), 1).response_ids
         completions = tokenizer.batch_decode(out, skip_special_tokens=True)
         columns: dict[str, list] = {"answer": [ex.answer for ex in chunk]}

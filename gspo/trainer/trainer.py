@@ -258,6 +258,7 @@ class Trainer:
         opts = EngineOptions(dtype=cfg.dtype, precision=cfg.rollout.precision, seed=cfg.seed,
                              record_routing=cfg.moe.routing_replay == "r3",
                              fast_decode=cfg.rollout.fast_decode,
+                             decode_matmul=cfg.rollout.decode_matmul,
                              memory_fraction=cfg.rollout.vllm_memory_fraction)
         self.engine_opts = opts
         caps = engine_capabilities(cfg.rollout.engine, opts)
@@ -660,6 +661,7 @@ class Trainer:
                         system_prompt=self.cfg.task.system_prompt,
                         max_new_tokens=self.cfg.rollout.eval_max_new_tokens, eos=self.eos,
                         pad_id=self.pad_id, fast_decode=self.cfg.rollout.fast_decode,
+                        decode_matmul=self.cfg.rollout.decode_matmul,
                         turns=self.turns)
 
     def train(self) -> dict[str, Any]:

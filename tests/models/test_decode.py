@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
-from gspo.models.decode import DenseDecoder, unsupported
+from gspo.models.decode import DenseDecoder, onednn_available, packable, unsupported
 from gspo.models.tiny import build_tiny, tiny_moe_config
 from gspo.rollout import SamplingParams, generate, greedy_generate
 from gspo.rollout.sampler import _left_pad
@@ -35,9 +35,15 @@ def _model(kind: str, seed: int = 0):
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17]]
 
 
+needs_onednn = pytest.mark.skipif(not onednn_available(), reason="no oneDNN in this torch")
+
+
+@pytest.mark.parametrize("packed", [False, pytest.param(True, marks=needs_onednn)])
 @pytest.mark.parametrize("fuse", [True, False])
 @pytest.mark.parametrize("kind", ["llama", "llama_dynamic", "qwen2", "qwen3"])
-def test_decode_steps_equal_forward_with_padding_and_dropped_rows(kind, fuse):
+def test_decode_steps_equal_forward_with_padding_and_dropped_rows(kind, fuse, packed):
+    """Plain (F.linear) and oneDNN-packed products alike, the packed ones with rows dropped
+    below the batch size their weights were packed for."""
     model = _model(kind)
     assert unsupported(model) is None
     ids, mask = _left_pad(PROMPTS, 0)
@@ -45,8 +51,9 @@ def test_decode_steps_equal_forward_with_padding_and_dropped_rows(kind, fuse):
     with torch.no_grad():
         ref = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
         lean = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
-    decoder = DenseDecoder(model, lean.cache, mask, extra=6, fuse=fuse)
+    decoder = DenseDecoder(model, lean.cache, mask, extra=6, fuse=fuse, packed=packed)
     assert all(layer.fused == fuse for layer in decoder.layers)
+    assert (decoder.head.packed is not None) == packed
     assert (decoder.rope_table is None) == (kind == "llama_dynamic")
     cache, next_pos, rows = ref.cache, mask.sum(-1), torch.arange(3)
     gen = torch.Generator().manual_seed(0)
@@ -81,6 +88,39 @@ def test_generate_with_and_without_the_lean_decoder_agree():
     greedy = [greedy_generate(model, prompts, max_new_tokens=12, eos=eos, pad_id=0,
                               fast_decode=fast) for fast in (True, False)]
     assert greedy[0] == greedy[1]
+
+
+@needs_onednn
+def test_onednn_and_blas_decode_sample_the_same_tokens_to_fp32_rounding():
+    """rollout.decode_matmul: the packed oneDNN products and F.linear give the same samples and
+    log-probs to fp32 rounding (on a tiny model no sampled token flips); 'auto' is onednn on a
+    CPU float32 model."""
+    model, _ = build_tiny("llama", seed=3)
+    assert packable(model) is None
+    prompts = [[2, 40, 41, 42, 43], [2, 50], [2, 60, 61, 62]]
+    eos = list(range(1, 40))
+    params = SamplingParams(max_new_tokens=12, temperature=0.9)
+    runs = {m: generate(model, prompts, group_size=4, params=params, eos=eos, pad_id=0,
+                        generator=[torch.Generator().manual_seed(s) for s in range(3)],
+                        decode_matmul=m) for m in ("blas", "onednn", "auto")}
+    assert runs["blas"].response_ids == runs["onednn"].response_ids
+    for a, b, c in zip(runs["blas"].logprobs, runs["onednn"].logprobs, runs["auto"].logprobs):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+        assert torch.equal(b, c)
+    with pytest.raises(ValueError, match="decode_matmul: 'mkl'"):
+        generate(model, prompts, group_size=1, params=params, eos=eos, pad_id=0,
+                 decode_matmul="mkl")
+
+
+def test_packable_names_what_stops_onednn():
+    bf16, _ = build_tiny("llama", seed=1, dtype=torch.bfloat16)
+    assert "bfloat16" in packable(bf16)
+    # a bf16 model under "auto" decodes through F.linear; "onednn" is refused by name
+    assert generate(bf16, [[2, 40]], group_size=1, params=SamplingParams(3), eos=[1],
+                    pad_id=0, greedy=True).response_ids
+    with pytest.raises(ValueError, match=r"DenseDecoder: the model is in torch\.bfloat16"):
+        generate(bf16, [[2, 40]], group_size=1, params=SamplingParams(3), eos=[1], pad_id=0,
+                 greedy=True, decode_matmul="onednn")
 
 
 def test_models_it_does_not_cover_are_named_and_fall_back_to_forward():
