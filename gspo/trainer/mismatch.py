@@ -43,6 +43,7 @@ def _per_seq(delta: torch.Tensor, on: torch.Tensor) -> torch.Tensor:
     return (torch.where(on, delta, 0.0).sum(-1) / on.sum(-1).clamp(min=1))[valid]
 
 
+@torch.no_grad()  # metrics only: π_old's rows from a training forward still carry autograd
 def mismatch_metrics(rollout: torch.Tensor, old: torch.Tensor | None,
                      after: torch.Tensor | None, mask: torch.Tensor, dist: Any, *,
                      before: torch.Tensor | None = None) -> dict[str, float]:
