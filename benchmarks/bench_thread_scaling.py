@@ -16,14 +16,13 @@ counted steps), so the top rows are where the second core is lost. Phase times (
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.bench_vs_trl import GSPO_ARMS, PROMPTS, add_step_arguments, distinct_words
+from benchmarks.bench_vs_trl import add_step_arguments, build_trainer
 from benchmarks.common import (
     abba,
     child_main,
@@ -39,32 +38,10 @@ _BY_SHAPE = ("aten::mm", "aten::addmm", "aten::bmm")
 
 def run_profiled(spec: dict[str, Any]) -> dict[str, Any]:
     """One child: ``steps`` gspo steps at ``threads`` torch threads; op totals and phase times."""
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from gspo.config import load_config
-    from gspo.models import load_model
-    from gspo.trainer import Trainer
-
-    torch.set_num_threads(spec["threads"])
-    model, tok = load_model(spec["model"], seed=spec["seed"])
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "prompts.jsonl"
-        path.write_text("".join(json.dumps({"prompt": p, "answer": ""}) + "\n" for p in PROMPTS))
-        cfg = load_config(None, [
-            f"model={spec['model']}", f"output_dir={tmp}", "run_name=bench", "progress=false",
-            "eval_before=false", f"steps={spec['steps']}", f"seed={spec['seed']}",
-            f"num_threads={spec['threads']}", "task.name=jsonl", f"task.path={path}",
-            "task.eval_size=0", "task.system_prompt=",
-            f"rollout.prompts_per_step={spec['prompts_per_step']}",
-            f"rollout.group_size={spec['group_size']}",
-            f"rollout.max_new_tokens={spec['max_new_tokens']}",
-            f"rollout.temperature={spec['temperature']}", "rollout.top_p=1.0", "rollout.top_k=0",
-            f"objective.num_minibatches={spec['minibatches']}", "objective.eps_low=3e-4",
-            "objective.eps_high=4e-4", "objective.beta=0.0", f"optim.lr={spec['lr']}",
-            "optim.grad_clip=1.0", *GSPO_ARMS["gspo"], *spec.get("overrides", [])])
-        trainer = Trainer(cfg, reward_fns=[distinct_words], model=model,
-                          tokenizer=tok).setup()
+        trainer = build_trainer({**spec, "arm": "gspo"}, Path(tmp))
         ops: dict[str, float] = {}
         phases: dict[str, float] = {}
         wall = 0.0

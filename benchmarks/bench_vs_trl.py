@@ -94,7 +94,9 @@ GSPO_ARMS: dict[str, list[str]] = {
 }
 
 
-def run_gspo(spec: dict[str, Any]) -> dict[str, Any]:
+def build_trainer(spec: dict[str, Any], tmp: Path) -> Any:
+    """A set-up gspo Trainer for one step's work of ``spec`` (its files under ``tmp``), on
+    ``spec["threads"]`` torch threads; ``spec["arm"]`` picks :data:`GSPO_ARMS`' overrides."""
     import torch
 
     from gspo.config import load_config
@@ -103,23 +105,27 @@ def run_gspo(spec: dict[str, Any]) -> dict[str, Any]:
 
     torch.set_num_threads(spec["threads"])
     model, tok = load_model(spec["model"], seed=spec["seed"])
+    path = tmp / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p, "answer": ""}) + "\n" for p in PROMPTS))
+    cfg = load_config(None, [
+        f"model={spec['model']}", f"output_dir={tmp}", "run_name=bench", "progress=false",
+        "eval_before=false", f"steps={spec['steps']}", f"seed={spec['seed']}",
+        f"num_threads={spec['threads']}", "task.name=jsonl", f"task.path={path}",
+        "task.eval_size=0", "task.system_prompt=",  # the chat template's default, as TRL
+        f"rollout.prompts_per_step={spec['prompts_per_step']}",
+        f"rollout.group_size={spec['group_size']}",
+        f"rollout.max_new_tokens={spec['max_new_tokens']}",
+        f"rollout.temperature={spec['temperature']}", "rollout.top_p=1.0", "rollout.top_k=0",
+        f"objective.num_minibatches={spec['minibatches']}", "objective.eps_low=3e-4",
+        "objective.eps_high=4e-4", "objective.beta=0.0", f"optim.lr={spec['lr']}",
+        "optim.grad_clip=1.0", *GSPO_ARMS[spec["arm"]], *spec.get("overrides", [])])
+    return Trainer(cfg, reward_fns=[distinct_words], model=model, tokenizer=tok).setup()
+
+
+def run_gspo(spec: dict[str, Any]) -> dict[str, Any]:
     n = spec["prompts_per_step"] * spec["group_size"]
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "prompts.jsonl"
-        path.write_text("".join(json.dumps({"prompt": p, "answer": ""}) + "\n" for p in PROMPTS))
-        cfg = load_config(None, [
-            f"model={spec['model']}", f"output_dir={tmp}", "run_name=bench", "progress=false",
-            "eval_before=false", f"steps={spec['steps']}", f"seed={spec['seed']}",
-            f"num_threads={spec['threads']}", "task.name=jsonl", f"task.path={path}",
-            "task.eval_size=0", "task.system_prompt=",  # the chat template's default, as TRL
-            f"rollout.prompts_per_step={spec['prompts_per_step']}",
-            f"rollout.group_size={spec['group_size']}",
-            f"rollout.max_new_tokens={spec['max_new_tokens']}",
-            f"rollout.temperature={spec['temperature']}", "rollout.top_p=1.0", "rollout.top_k=0",
-            f"objective.num_minibatches={spec['minibatches']}", "objective.eps_low=3e-4",
-            "objective.eps_high=4e-4", "objective.beta=0.0", f"optim.lr={spec['lr']}",
-            "optim.grad_clip=1.0", *GSPO_ARMS[spec["arm"]], *spec.get("overrides", [])])
-        trainer = Trainer(cfg, reward_fns=[distinct_words], model=model, tokenizer=tok).setup()
+        trainer = build_trainer(spec, Path(tmp))
         rollout_t: list[tuple[float, float]] = []
         old_t: list[tuple[float, float]] = []
         trainer.rollout = _timed(trainer.rollout, rollout_t)

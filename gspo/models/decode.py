@@ -146,6 +146,14 @@ def packable(model: Any) -> str | None:
     return None
 
 
+def packing_pays(model: Any) -> bool:
+    """Whether ``rollout.decode_matmul=auto`` packs: for layers above :data:`FUSE_MAX_BYTES`
+    of q/k/v and gate/up weights. Measured (``bench_async``): SmolLM2's rollout (8.9 MiB a
+    layer) 1.5x faster packed; the tiny Llama preset's (0.1 MiB) 1.6x slower, oneDNN's cost per
+    call and the per-rollout packing outweighing its faster kernel there."""
+    return all(_fused_bytes(layer) > FUSE_MAX_BYTES for layer in model.model.layers)
+
+
 class _Linear:
     """``x Wᵀ + b`` for one projection of the decode step.
 

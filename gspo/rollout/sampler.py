@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from gspo.models.decode import DenseDecoder, packable, unsupported
+from gspo.models.decode import DenseDecoder, packable, packing_pays, unsupported
 from gspo.models.lean_forward import inference_safe, key_bias, lean_hidden
 from gspo.models.moe import capture_routing, router_modules
 from gspo.rollout.batch import Rollout
@@ -256,7 +256,8 @@ def generate(model: Any, prompts: list[list[int]], *, group_size: int, params: S
     they cover (and no routing is recorded); else both through ``forward``.
     ``decode_matmul`` picks the decode steps' matrix products (:class:`DenseDecoder`'s
     ``packed``): "blas" (``F.linear``), "onednn" (packed weights; a CPU float32 model), "auto"
-    (onednn where :func:`gspo.models.decode.packable` allows).
+    (onednn where :func:`gspo.models.decode.packable` allows and
+    :func:`gspo.models.decode.packing_pays`: layers larger than the tiny presets').
     """
     if decode_matmul not in ("auto", "blas", "onednn"):
         raise ValueError(f"decode_matmul: {decode_matmul!r} is not one of auto, blas, onednn")
@@ -273,7 +274,7 @@ def generate(model: Any, prompts: list[list[int]], *, group_size: int, params: S
         # model's decode step 0.81 -> 0.67 ms); what it returns is copied out of it below.
         with torch.inference_mode(lean and inference_safe(model)):
             packed = lean and (decode_matmul == "onednn" or (
-                decode_matmul == "auto" and packable(model) is None))
+                decode_matmul == "auto" and packable(model) is None and packing_pays(model)))
             roll = _generate(model, prompts, ids, mask, positions, group_size, params, eos,
                              generator, greedy, log, lean, packed)
     finally:

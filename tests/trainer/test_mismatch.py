@@ -65,9 +65,9 @@ def test_default_path_is_bit_identical_to_before(tmp_path):
     (commit e4ee655, this test's `_cfg`): the default path must give exactly these.
     Re-pinned 2026-12-04 by running e4ee655 itself in the then-current packages (transformers
     5.25, torch 2.13.0): the old numbers moved in the 7th digit with the packages, and e4ee655
-    and this code still agree bit for bit. The oneDNN decode (rollout.decode_matmul=auto, added
-    after the re-pin) left them unchanged too: at this size it samples the same tokens, and the
-    losses use the recomputed π_old."""
+    and this code still agree bit for bit. (rollout.decode_matmul=auto, added after the re-pin,
+    decodes a model this small through F.linear, as before; forced to onednn it gives these
+    same numbers too.)"""
     trainer = Trainer(_cfg(tmp_path, "pin"), reward_fns=[char_codes]).setup()
     trainer.train()
     rows = [r for r in _rows(trainer) if "train/loss" in r]
