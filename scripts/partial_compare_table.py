@@ -4,7 +4,7 @@
 cut short (a deadline, a crash) still logged every step it took in ``metrics.jsonl``; this
 script tabulates those steps, one row per run, and the routing probes (``probe_s*``):
 
-    python scripts/partial_compare_table.py results/moe_upcycled_gpu/runs > table.md
+    python scripts/partial_compare_table.py results/moe_upcycled_gpu/run_metrics > table.md
 
 Each run folder holds ``config.yaml`` and ``metrics.jsonl`` (or ``metrics.jsonl.gz``); a probe
 folder holds the probe's ``compare.json``. Columns: steps done, held-out accuracy at each
