@@ -270,11 +270,11 @@ def generate(model: Any, prompts: list[list[int]], *, group_size: int, params: S
            if record_routing else None)
     try:
         lean = fast_decode and log is None and unsupported(model) is None
+        packed = lean and (decode_matmul == "onednn" or (
+            decode_matmul == "auto" and packable(model) is None and packing_pays(model)))
         # The fast path runs in inference mode (no autograd bookkeeping on any tensor: a tiny
         # model's decode step 0.81 -> 0.67 ms); what it returns is copied out of it below.
         with torch.inference_mode(lean and inference_safe(model)):
-            packed = lean and (decode_matmul == "onednn" or (
-                decode_matmul == "auto" and packable(model) is None and packing_pays(model)))
             roll = _generate(model, prompts, ids, mask, positions, group_size, params, eos,
                              generator, greedy, log, lean, packed)
     finally:
