@@ -142,15 +142,11 @@ def summarize(results: list[dict[str, Any]], warmup: int, flops: dict[str, float
         arms[arm] = s
     out: dict[str, Any] = {"arms": arms}
     sync = {t: arms.get(f"sync@{t}") for t in (1, 2)}
-    if sync[1] and sync[2]:  # item 4: where the second core goes
-        out["thread_scaling"] = {
-            k: sync[1][k] / sync[2][k] for k in ("step_s", "rollout_s", "update_s",
-                                                  "old_logprobs_s") if sync[2].get(k)}
     blas = {t: arms.get(f"sync-blas@{t}") for t in (1, 2)}
-    if blas[1] and blas[2]:
-        out["thread_scaling_blas"] = {
-            k: blas[1][k] / blas[2][k] for k in ("step_s", "rollout_s", "update_s",
-                                                  "old_logprobs_s") if blas[2].get(k)}
+    for key, pair in (("thread_scaling", sync), ("thread_scaling_blas", blas)):
+        if pair[1] and pair[2]:  # item 4: where the second core goes, phase by phase
+            out[key] = {k: pair[1][k] / pair[2][k] for k in (
+                "step_s", "rollout_s", "update_s", "old_logprobs_s") if pair[2].get(k)}
     for t in (1, 2):
         if sync[t] and blas[t]:
             out.setdefault("onednn_over_blas", {})[f"@{t}"] = {
