@@ -13,8 +13,9 @@ the SFT cold start left it.
 
     python -m benchmarks.bench_routing_volatility            # both testbeds (~15 min here)
     python -m benchmarks.bench_routing_volatility --only deep
+    python -m benchmarks.bench_routing_volatility --only granularity  # 32 vs 128 experts
 
-Writes results/moe_volatility/volatility_<all|deep|upcycled>.{json,md}.
+Writes results/moe_volatility/volatility_<all|deep|upcycled|granularity>.{json,md}.
 """
 
 from __future__ import annotations
@@ -36,14 +37,22 @@ GRID: list[tuple[str, float, dict[str, float], int]] = [
     ("upcycled", 1e-5, {"std": 0.2, "noise": 0.01}, 2),
     ("upcycled", 1e-5, {"std": 0.02, "noise": 0.0}, 2),
 ]
+# Expert granularity at equal active compute (``--only granularity``): deep_moe (32 experts,
+# top-4) against deep_moe_128 (128 half-width experts, top-8, the paper's count and top-k),
+# both from the 700-step SFT cold start of configs/moe/deep_moe.yaml.
+GRANULARITY: list[tuple[str, float, dict[str, float], int]] = [
+    (testbed, lr, {}, 4) for lr in (1e-4, 3e-4, 1e-3) for testbed in ("deep-700", "deep128-700")]
+DEEP_MODELS = {"deep": "sft:deep_moe", "deep-700": "sft:deep_moe?steps=700",
+               "deep128-700": "sft:deep_moe_128?steps=700"}
 
 
 def overrides(testbed: str, lr: float, state: dict[str, float], steps: int) -> list[str]:
     common = [f"optim.lr={lr}", f"steps={steps}", "objective.num_minibatches=2",
               "moe.routing_replay=off", "eval_before=false", "progress=false",
               "tensorboard=false", "logging.samples_every=0", "num_threads=1"]
-    if testbed == "deep":
-        return [*common, "model=sft:deep_moe", "task.levels=[2,3]", "task.system_prompt=",
+    if testbed in DEEP_MODELS:
+        return [*common, f"model={DEEP_MODELS[testbed]}", "task.levels=[2,3]",
+                "task.system_prompt=",
                 "rollout.max_new_tokens=12", "rollout.prompts_per_step=8"]
     return [*common, f"model={UPCYCLED.format(**state)}"]
 
@@ -79,11 +88,13 @@ def main(argv: list[str]) -> None:
     if child_main(argv, run_setting):
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", choices=["deep", "upcycled"], default=None)
+    ap.add_argument("--only", choices=["deep", "upcycled", "granularity"], default=None,
+                    help="one testbed of the default grid, or the granularity grid")
     args = ap.parse_args(argv)
     results, rows = [], []
-    for testbed, lr, state, steps in GRID:
-        if args.only and testbed != args.only:
+    grid = GRANULARITY if args.only == "granularity" else GRID
+    for testbed, lr, state, steps in grid:
+        if args.only not in (None, "granularity", testbed):
             continue
         res = run_child("benchmarks.bench_routing_volatility",
                         {"overrides": overrides(testbed, lr, state, steps)}, timeout=1800)

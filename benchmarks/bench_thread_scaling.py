@@ -8,7 +8,16 @@ activities only). The table ranks the ops by the seconds they lose to imperfect 
 counted steps), so the top rows are where the second core is lost. Phase times (rollout,
 π_old pass, update) are taken from the trainer's own ``time/*`` metrics.
 
+``--isolated`` adds a ceiling that no profiler distorts: one child records every matrix
+product of one step (``aten::mm``/``addmm``/``bmm`` and the decode's oneDNN
+``mkldnn::_linear_pointwise``, with their shapes, strides and counts, through a
+``TorchDispatchMode``), then times each distinct product alone at 1 and 2 threads
+(alternating rounds) on operands of the same layout. Their count-weighted sum is the step's
+matrix work run back to back, so its scaling bounds what any scheduling of the step can reach
+with these kernels; the rest of the step (wall time minus that sum) is reported beside it.
+
     HF_HUB_OFFLINE=1 python -m benchmarks.bench_thread_scaling           # ~6 min, 2 cores
+    HF_HUB_OFFLINE=1 python -m benchmarks.bench_thread_scaling --isolated --reps 0  # ~4 min
     HF_HUB_OFFLINE=1 python -m benchmarks.bench_thread_scaling --model tiny:llama --steps 2 \\
         --reps 1 --out /tmp/x                                            # seconds
 """
@@ -70,6 +79,156 @@ def run_profiled(spec: dict[str, Any]) -> dict[str, Any]:
             "phases": {k: v / n for k, v in phases.items()}}
 
 
+class _Products:
+    """A ``TorchDispatchMode`` that counts the matrix products run under it, by signature."""
+
+    OPS = ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise")
+
+    def __new__(cls) -> Any:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class Mode(TorchDispatchMode):
+            def __init__(self) -> None:
+                super().__init__()
+                self.seen: dict[str, dict[str, Any]] = {}
+
+            def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                                   kwargs: Any = None) -> Any:
+                out = func(*args, **(kwargs or {}))
+                name = func._schema.name
+                if name in _Products.OPS:
+                    sig = _signature(name, args, out)
+                    key = repr(sig)
+                    entry = self.seen.setdefault(key, {"sig": sig, "count": 0})
+                    entry["count"] += 1
+                return out
+
+        return Mode()
+
+
+def _signature(name: str, args: Any, out: Any) -> dict[str, Any]:
+    """What it takes to rerun a product: its operands' sizes and strides (for the oneDNN
+    linear: input, output width and the rows its weight was packed for are unknown, so the
+    input's row count is used)."""
+    import torch
+
+    if name == "mkldnn::_linear_pointwise":
+        x = args[0]
+        return {"op": name, "x": [list(x.shape), list(x.stride())], "n": int(out.shape[-1]),
+                "bias": args[2] is not None}
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    return {"op": name, "operands": [[list(t.shape), list(t.stride())] for t in tensors],
+            "scalars": [a for a in args if not isinstance(a, torch.Tensor)]}
+
+
+def _runner(sig: dict[str, Any]) -> tuple[Any, float]:
+    """A closure that reruns the product of ``sig`` on random operands, and its FLOPs."""
+    import torch
+
+    def make(shape: list[int], stride: list[int]) -> Any:  # any layout, expanded ones too
+        size = 1 + sum((n - 1) * st for n, st in zip(shape, stride) if n > 0)
+        return torch.randn(size).as_strided(shape, stride)
+
+    if sig["op"] == "mkldnn::_linear_pointwise":
+        (shape, stride), n = sig["x"], sig["n"]
+        x = make(shape, stride)
+        k, m = shape[-1], x.numel() // shape[-1]
+        packed = torch.ops.mkldnn._reorder_linear_weight(torch.randn(n, k), m)
+        bias = torch.randn(n) if sig["bias"] else None
+        return (lambda: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], ""),
+                2.0 * m * k * n)
+    ops = [make(s, st) for s, st in sig["operands"]]
+    scalars = sig["scalars"]
+    if sig["op"] == "aten::mm":
+        (m, k), n = ops[0].shape, ops[1].shape[1]
+        return (lambda: torch.mm(*ops)), 2.0 * m * k * n
+    if sig["op"] == "aten::addmm":
+        (m, k), n = ops[1].shape, ops[2].shape[1]
+        kw = {"beta": scalars[0], "alpha": scalars[1]} if len(scalars) == 2 else {}
+        return (lambda: torch.addmm(*ops, **kw)), 2.0 * m * k * n
+    b, m, k = ops[0].shape
+    return (lambda: torch.bmm(*ops)), 2.0 * b * m * k * ops[1].shape[2]
+
+
+def run_isolated(spec: dict[str, Any]) -> dict[str, Any]:
+    """One child: record one step's products, then time each alone at 1 and 2 threads."""
+    import torch
+
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = build_trainer({**spec, "arm": "gspo", "threads": 1}, Path(tmp))
+        for _ in range(spec["warmup"]):  # the counted steps are steady-state ones
+            trainer.train_step()
+            trainer.step += 1
+        walls: dict[int, list[float]] = {1: [], 2: []}
+        for threads in abba([1, 2], 2):  # the step itself, unprofiled, in this process
+            torch.set_num_threads(threads)
+            t0 = time.perf_counter()
+            trainer.train_step()
+            walls[threads].append(time.perf_counter() - t0)
+            trainer.step += 1
+        torch.set_num_threads(1)
+        mode = _Products()
+        with mode:
+            trainer.train_step()
+        trainer.cleanup()
+    products = list(mode.seen.values())
+    runners = [_runner(p["sig"]) for p in products]
+    times: dict[int, list[list[float]]] = {1: [], 2: []}
+    for threads in abba([1, 2], spec["rounds"]):
+        torch.set_num_threads(threads)
+        per = []
+        for fn, _ in runners:
+            fn()  # warm: first-call allocation and packing
+            t0 = time.perf_counter()
+            reps = 0
+            while reps < 3 or time.perf_counter() - t0 < 0.05:
+                fn()
+                reps += 1
+            per.append((time.perf_counter() - t0) / reps)
+        times[threads].append(per)
+    out = []
+    for i, p in enumerate(products):
+        t = {th: median([r[i] for r in times[th]]) for th in (1, 2)}
+        out.append({"sig": p["sig"], "count": p["count"], "flops": runners[i][1],
+                    "t1_s": t[1], "t2_s": t[2]})
+    return {"products": out, "wall_s": {str(t): median(walls[t]) for t in (1, 2)}}
+
+
+def _isolated_lines(iso: dict[str, Any], top: int) -> list[str]:
+    prods = iso["products"]
+    tot = {th: sum(p["count"] * p[f"t{th}_s"] for p in prods) for th in (1, 2)}
+    flops = sum(p["count"] * p["flops"] for p in prods)
+    wall = {th: iso["wall_s"][str(th)] for th in (1, 2)}
+    rest = {th: wall[th] - tot[th] for th in (1, 2)}
+    lines = ["", "**The step's matrix products alone** (`--isolated`: every product of one step "
+             f"recorded, {len(prods)} distinct signatures, {sum(p['count'] for p in prods)} "
+             f"calls, {flops / 1e9:.0f} GFLOP, each timed alone on operands of the same layout; "
+             "the step timed unprofiled in the same process, 2 steps per thread count):",
+             "", "| | 1 thread s | 2 threads s | scaling |", "|---|---|---|---|",
+             f"| the step, unprofiled | {wall[1]:.2f} | {wall[2]:.2f} | "
+             f"{wall[1] / wall[2]:.2f}× |",
+             f"| its products, back to back | {tot[1]:.2f} | {tot[2]:.2f} | "
+             f"**{tot[1] / tot[2]:.2f}×** |",
+             f"| the rest (step − products) | {rest[1]:.2f} | {rest[2]:.2f} | "
+             f"{rest[1] / rest[2]:.2f}× |",
+             "", "Products ranked by seconds lost, count × (t(2) − t(1)/2):", "",
+             "| product | calls | GFLOP/s 1 thread | GFLOP/s 2 threads | scaling | lost s |",
+             "|---|---|---|---|---|---|"]
+    ranked = sorted(prods, key=lambda p: -p["count"] * (p["t2_s"] - p["t1_s"] / 2))
+    for p in ranked[:top]:
+        sig = p["sig"]
+        if sig["op"] == "mkldnn::_linear_pointwise":
+            desc = f"oneDNN linear {sig['x'][0]} → {sig['n']}"
+        else:
+            desc = sig["op"].split("::")[1] + " " + " × ".join(
+                f"{s}{'ᵀ' if len(s) == 2 and st[0] == 1 and s[0] > 1 else ''}"
+                for s, st in sig["operands"][-2:])
+        lines.append(f"| {desc} | {p['count']} | {p['flops'] / p['t1_s'] / 1e9:.1f} | "
+                     f"{p['flops'] / p['t2_s'] / 1e9:.1f} | {p['t1_s'] / p['t2_s']:.2f}× | "
+                     f"{p['count'] * (p['t2_s'] - p['t1_s'] / 2):.3f} |")
+    return lines
+
+
 def _avg(children: list[dict[str, Any]], field: str) -> dict[str, float]:
     keys = {k for c in children for k in c[field]}
     return {k: median([c[field].get(k, 0.0) for c in children]) for k in keys}
@@ -87,13 +246,34 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--overrides", default="", help="space-separated key=value for both arms")
     p.add_argument("--out", default=None)
     p.add_argument("--tag", default="")
+    p.add_argument("--isolated", action="store_true",
+                   help="also time the step's matrix products alone (the kernel ceiling)")
+    p.add_argument("--rounds", type=int, default=4, help="--isolated: rounds per thread count")
     a = p.parse_args(argv)
     spec = {k: getattr(a, k) for k in ("model", "prompts_per_step", "group_size",
                                        "max_new_tokens", "minibatches", "temperature", "lr",
                                        "steps", "warmup", "seed")}
     spec["overrides"] = a.overrides.split()
+    lines = [f"Step: {a.prompts_per_step} prompts × {a.group_size} × {a.max_new_tokens} tokens, "
+             f"{a.minibatches} minibatches, {a.model}."]
+    out: dict[str, Any] = {"machine": machine(), "spec": spec}
+    if a.reps > 0:
+        out.update(_profiled(spec, a.reps, a.top, lines))
+    if a.isolated:
+        iso = run_child("benchmarks.bench_thread_scaling",
+                        {**spec, "kind": "isolated", "rounds": a.rounds})
+        out["isolated"] = iso
+        lines += _isolated_lines(iso, a.top)
+    write_result(result_name("thread_scaling", a.model, a.tag), out, lines[0], lines[1:],
+                 Path(a.out) if a.out else None)
+    print("\n".join(lines))
+    return out
+
+
+def _profiled(spec: dict[str, Any], reps: int, top: int, lines: list[str]) -> dict[str, Any]:
+    """The profiled children (``reps`` per thread count); appends their tables to ``lines``."""
     results: dict[int, list[dict[str, Any]]] = {1: [], 2: []}
-    for threads in abba([1, 2], a.reps):
+    for threads in abba([1, 2], reps):
         r = run_child("benchmarks.bench_thread_scaling", {**spec, "threads": threads})
         results[threads].append(r)
         print(f"threads={threads}: {r['wall_s']:.2f} s/step", flush=True)
@@ -106,12 +286,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         rows.append({"op": name, "t1_s": t1, "t2_s": t2, "lost_s": t2 - t1 / 2,
                      "scaling": t1 / t2 if t2 > 0 else float("nan")})
     rows.sort(key=lambda r: -r["lost_s"])
-    lines = [f"Step: {a.prompts_per_step} prompts × {a.group_size} × {a.max_new_tokens} tokens, "
-             f"{a.minibatches} minibatches, {a.model}, {a.reps} children per thread count, "
-             f"{a.steps - a.warmup} profiled steps each (median over children).", "",
-             f"Step wall time under the profiler: 1 thread {wall[1]:.2f} s, 2 threads "
-             f"{wall[2]:.2f} s: **{wall[1] / wall[2]:.2f}×**.", "",
-             "| phase | 1 thread s | 2 threads s | scaling |", "|---|---|---|---|"]
+    lines += ["", f"Profiled: {reps} children per thread count, {spec['steps'] - spec['warmup']} "
+              "profiled steps each (median over children).", "",
+              f"Step wall time under the profiler: 1 thread {wall[1]:.2f} s, 2 threads "
+              f"{wall[2]:.2f} s: **{wall[1] / wall[2]:.2f}×**.", "",
+              "| phase | 1 thread s | 2 threads s | scaling |", "|---|---|---|---|"]
     for k in sorted(phases[1]):
         if phases[2].get(k):
             lines.append(f"| {k} | {phases[1][k]:.2f} | {phases[2][k]:.2f} | "
@@ -120,16 +299,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     lines += ["", f"Ops ranked by seconds lost to imperfect scaling, t(2) − t(1)/2 (self time; "
               f"all ops together lose {lost:.2f} s a step):", "",
               "| op | 1 thread s | 2 threads s | scaling | lost s |", "|---|---|---|---|---|"]
-    for r in rows[:a.top]:
+    for r in rows[:top]:
         lines.append(f"| `{r['op']}` | {r['t1_s']:.3f} | {r['t2_s']:.3f} | {r['scaling']:.2f}× "
                      f"| {r['lost_s']:.3f} |")
-    out = {"machine": machine(), "spec": spec, "wall": wall, "phases": phases, "ops": rows}
-    write_result(result_name("thread_scaling", a.model, a.tag), out, lines[0], lines[1:],
-                 Path(a.out) if a.out else None)
-    print("\n".join(lines))
-    return out
+    return {"wall": wall, "phases": phases, "ops": rows}
+
+
+def _child(spec: dict[str, Any]) -> dict[str, Any]:
+    return run_isolated(spec) if spec.get("kind") == "isolated" else run_profiled(spec)
 
 
 if __name__ == "__main__":
-    if not child_main(sys.argv[1:], run_profiled):
+    if not child_main(sys.argv[1:], _child):
         main()

@@ -46,6 +46,11 @@ MOE_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "deep_moe": ("qwen3_moe", {"hidden_size": 64, "num_layers": 16, "num_experts": 32,
                                "top_k": 4, "moe_intermediate_size": 32, "num_heads": 4,
                                "num_kv_heads": 2}),
+    # deep_moe_128: deep_moe's 16 layers with the paper's expert count and top-k (128 experts,
+    # top-8), each expert half as wide (16), so a token's active expert FLOPs equal deep_moe's.
+    "deep_moe_128": ("qwen3_moe", {"hidden_size": 64, "num_layers": 16, "num_experts": 128,
+                                   "top_k": 8, "moe_intermediate_size": 16, "num_heads": 4,
+                                   "num_kv_heads": 2}),
 }
 
 

@@ -141,3 +141,40 @@ def test_async_benchmark_arms_flops_and_summary(tmp_path):
     assert "async1@1+1 vs sync@1" in summary["async_vs_bound"]
     text = (tmp_path / "async_tiny-llama.md").read_text()
     assert "async1@1+1" in text and "of FLOP limit" in text
+
+
+def test_isolated_products_rerun_what_was_recorded():
+    """bench_thread_scaling --isolated: the dispatch-mode recorder counts each matrix product
+    by signature (transposed layouts apart), and its rerun has the recorded shape and FLOPs."""
+    import torch
+
+    from benchmarks.bench_thread_scaling import _Products, _runner
+
+    a, w = torch.randn(5, 7, requires_grad=True), torch.randn(3, 7, requires_grad=True)
+    mode = _Products()
+    with mode:
+        torch.nn.functional.linear(a, w).sum().backward()  # forward mm + two backward mms
+        torch.mm(a.detach(), w.detach().t())
+    seen = sorted(mode.seen.values(), key=lambda e: -e["count"])
+    assert sum(e["count"] for e in seen) == 4
+    for e in seen:
+        fn, flops = _runner(e["sig"])
+        out = fn()
+        shapes = [s for s, _ in e["sig"]["operands"]]
+        assert out.shape == (shapes[-2][0], shapes[-1][1])
+        assert flops == 2.0 * shapes[-2][0] * shapes[-2][1] * shapes[-1][1]
+    strides = {tuple(map(tuple, (st for _, st in e["sig"]["operands"]))) for e in seen}
+    assert ((7, 1), (1, 7)) in strides  # a × wᵀ: w's transposed view kept as recorded
+
+
+def test_thread_scaling_isolated_end_to_end(tmp_path):
+    from benchmarks import bench_thread_scaling
+
+    data = bench_thread_scaling.main(["--model", "tiny:llama", "--group-size", "2",
+                                      "--max-new-tokens", "4", "--warmup", "1", "--reps", "0",
+                                      "--isolated", "--rounds", "1", "--out", str(tmp_path)])
+    iso = data["isolated"]
+    assert iso["products"] and all(p["t1_s"] > 0 and p["t2_s"] > 0 for p in iso["products"])
+    assert set(iso["wall_s"]) == {"1", "2"}
+    text = (tmp_path / "thread_scaling_tiny-llama.md").read_text()
+    assert "its products, back to back" in text

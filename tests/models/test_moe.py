@@ -81,6 +81,19 @@ def test_tiny_config_builds_moe_model(family: str) -> None:
     assert out.logits.shape == (B, T, VOCAB)
 
 
+def test_deep_presets_share_active_expert_compute() -> None:
+    """deep_moe_128 has the paper's 128 experts and top-8, in deep_moe's 16 layers, with
+    half-width experts: a token's active expert FLOPs equal deep_moe's (the granularity grid of
+    benchmarks/bench_routing_volatility.py compares the two at equal compute)."""
+    from gspo.models.tiny import tiny_config
+
+    deep, fine = tiny_config("deep_moe", 259), tiny_config("deep_moe_128", 259)
+    assert (fine.num_experts, fine.num_experts_per_tok, fine.num_hidden_layers) == (128, 8, 16)
+    assert fine.hidden_size == deep.hidden_size and fine.num_hidden_layers == deep.num_hidden_layers
+    active = lambda c: c.num_experts_per_tok * c.moe_intermediate_size  # noqa: E731
+    assert active(fine) == active(deep)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_record_then_replay_is_exact_on_padded_batch(family: str) -> None:
     model = _model(family)
