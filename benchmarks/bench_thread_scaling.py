@@ -9,12 +9,15 @@ counted steps), so the top rows are where the second core is lost. Phase times (
 π_old pass, update) are taken from the trainer's own ``time/*`` metrics.
 
 ``--isolated`` adds a ceiling that no profiler distorts: one child records every matrix
-product of one step (``aten::mm``/``addmm``/``bmm`` and the decode's oneDNN
+product of one step (``aten::mm``/``addmm``/``bmm``/``linear`` and the decode's oneDNN
 ``mkldnn::_linear_pointwise``, with their shapes, strides and counts, through a
 ``TorchDispatchMode``), then times each distinct product alone at 1 and 2 threads
 (alternating rounds) on operands of the same layout. Their count-weighted sum is the step's
 matrix work run back to back, so its scaling bounds what any scheduling of the step can reach
 with these kernels; the rest of the step (wall time minus that sum) is reported beside it.
+The same child then runs one more step at each thread count with every op timed where it
+runs (wall time around each kernel call, no profiler), grouped into products, attention,
+AdamW, every other op, and what lies outside any op (Python, the autograd engine, dispatch).
 
     HF_HUB_OFFLINE=1 python -m benchmarks.bench_thread_scaling           # ~6 min, 2 cores
     HF_HUB_OFFLINE=1 python -m benchmarks.bench_thread_scaling --isolated --reps 0  # ~4 min
@@ -80,9 +83,11 @@ def run_profiled(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 class _Products:
-    """A ``TorchDispatchMode`` that counts the matrix products run under it, by signature."""
+    """A ``TorchDispatchMode`` that counts the matrix products run under it, by signature, and
+    times every op in place (wall time around the kernel call, nothing else recorded)."""
 
-    OPS = ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise")
+    # aten::linear arrives whole under inference mode (no autograd key to decompose it at)
+    OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "mkldnn::_linear_pointwise")
 
     def __new__(cls) -> Any:
         from torch.utils._python_dispatch import TorchDispatchMode
@@ -91,11 +96,14 @@ class _Products:
             def __init__(self) -> None:
                 super().__init__()
                 self.seen: dict[str, dict[str, Any]] = {}
+                self.op_s: dict[str, float] = {}  # in-situ wall time per op name
 
             def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
                                    kwargs: Any = None) -> Any:
+                t0 = time.perf_counter()
                 out = func(*args, **(kwargs or {}))
                 name = func._schema.name
+                self.op_s[name] = self.op_s.get(name, 0.0) + time.perf_counter() - t0
                 if name in _Products.OPS:
                     sig = _signature(name, args, out)
                     key = repr(sig)
@@ -139,6 +147,11 @@ def _runner(sig: dict[str, Any]) -> tuple[Any, float]:
                 2.0 * m * k * n)
     ops = [make(s, st) for s, st in sig["operands"]]
     scalars = sig["scalars"]
+    if sig["op"] == "aten::linear":
+        x, w = ops[0], ops[1]
+        b = ops[2] if len(ops) > 2 else None
+        m, (n, k) = x.numel() // x.shape[-1], w.shape
+        return (lambda: torch.nn.functional.linear(x, w, b)), 2.0 * m * k * n
     if sig["op"] == "aten::mm":
         (m, k), n = ops[0].shape, ops[1].shape[1]
         return (lambda: torch.mm(*ops)), 2.0 * m * k * n
@@ -166,11 +179,18 @@ def run_isolated(spec: dict[str, Any]) -> dict[str, Any]:
             trainer.train_step()
             walls[threads].append(time.perf_counter() - t0)
             trainer.step += 1
-        torch.set_num_threads(1)
-        mode = _Products()
-        with mode:
-            trainer.train_step()
+        modes: dict[int, Any] = {}
+        in_situ: dict[int, float] = {}
+        for threads in (1, 2):  # every op timed where it runs, at both thread counts
+            torch.set_num_threads(threads)
+            modes[threads] = _Products()
+            t0 = time.perf_counter()
+            with modes[threads]:
+                trainer.train_step()
+            in_situ[threads] = time.perf_counter() - t0
+            trainer.step += 1
         trainer.cleanup()
+    mode = modes[1]
     products = list(mode.seen.values())
     runners = [_runner(p["sig"]) for p in products]
     times: dict[int, list[list[float]]] = {1: [], 2: []}
@@ -191,7 +211,48 @@ def run_isolated(spec: dict[str, Any]) -> dict[str, Any]:
         t = {th: median([r[i] for r in times[th]]) for th in (1, 2)}
         out.append({"sig": p["sig"], "count": p["count"], "flops": runners[i][1],
                     "t1_s": t[1], "t2_s": t[2]})
-    return {"products": out, "wall_s": {str(t): median(walls[t]) for t in (1, 2)}}
+    return {"products": out, "wall_s": {str(t): median(walls[t]) for t in (1, 2)},
+            "in_situ": {str(t): {"wall_s": in_situ[t], "op_s": modes[t].op_s} for t in (1, 2)}}
+
+
+_GROUPS = (("matrix products", _Products.OPS),
+           ("attention (SDPA forward and backward)", (
+               "aten::_scaled_dot_product_flash_attention_for_cpu",
+               "aten::_scaled_dot_product_flash_attention_for_cpu_backward")),
+           ("AdamW (fused)", ("aten::_fused_adamw_",)))
+
+
+def _in_situ_lines(iso: dict[str, Any], top: int) -> list[str]:
+    """Every op of one step timed where it ran, grouped; what no op accounts for is Python,
+    the autograd engine and dispatch (this timer's own overhead included)."""
+    ins = {t: iso["in_situ"][str(t)] for t in (1, 2)}
+    ops = {t: ins[t]["op_s"] for t in (1, 2)}
+    names = set(ops[1]) | set(ops[2])
+    grouped = {n for _, members in _GROUPS for n in members}
+    rows = [(label, [n for n in names if n in members]) for label, members in _GROUPS]
+    rows.append(("every other op (elementwise, reductions, copies, indexing, ...)",
+                 [n for n in names if n not in grouped]))
+    lines = ["", "**Every op timed where it runs** (the same child: one more step at each thread "
+             "count under a dispatch-mode timer; wall time around each kernel call):", "",
+             "| | 1 thread s | 2 threads s | scaling |", "|---|---|---|---|",
+             f"| the step under the timer | {ins[1]['wall_s']:.2f} | {ins[2]['wall_s']:.2f} | "
+             f"{ins[1]['wall_s'] / ins[2]['wall_s']:.2f}× |"]
+    total = {t: 0.0 for t in (1, 2)}
+    for label, members in rows:
+        t1, t2 = (sum(ops[t].get(n, 0.0) for n in members) for t in (1, 2))
+        total[1], total[2] = total[1] + t1, total[2] + t2
+        lines.append(f"| {label} | {t1:.2f} | {t2:.2f} | {t1 / t2:.2f}× |")
+    o1, o2 = (ins[t]["wall_s"] - total[t] for t in (1, 2))
+    lines.append(f"| outside any op (Python, autograd engine, dispatch, this timer) | {o1:.2f} | "
+                 f"{o2:.2f} | {o1 / o2:.2f}× |")
+    ranked = sorted(names, key=lambda n: -(ops[2].get(n, 0.0) - ops[1].get(n, 0.0) / 2))
+    lines += ["", "Ops ranked by seconds lost in place, t(2) − t(1)/2:", "",
+              "| op | 1 thread s | 2 threads s | scaling | lost s |", "|---|---|---|---|---|"]
+    for n in ranked[:top]:
+        t1, t2 = ops[1].get(n, 0.0), ops[2].get(n, 0.0)
+        lines.append(f"| `{n}` | {t1:.3f} | {t2:.3f} | "
+                     f"{t1 / t2 if t2 else float('nan'):.2f}× | {t2 - t1 / 2:.3f} |")
+    return lines
 
 
 def _isolated_lines(iso: dict[str, Any], top: int) -> list[str]:
@@ -219,6 +280,8 @@ def _isolated_lines(iso: dict[str, Any], top: int) -> list[str]:
         sig = p["sig"]
         if sig["op"] == "mkldnn::_linear_pointwise":
             desc = f"oneDNN linear {sig['x'][0]} → {sig['n']}"
+        elif sig["op"] == "aten::linear":
+            desc = f"linear {sig['operands'][0][0]} → {sig['operands'][1][0][0]}"
         else:
             desc = sig["op"].split("::")[1] + " " + " × ".join(
                 f"{s}{'ᵀ' if len(s) == 2 and st[0] == 1 and s[0] > 1 else ''}"
@@ -263,7 +326,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         iso = run_child("benchmarks.bench_thread_scaling",
                         {**spec, "kind": "isolated", "rounds": a.rounds})
         out["isolated"] = iso
-        lines += _isolated_lines(iso, a.top)
+        lines += _isolated_lines(iso, a.top) + _in_situ_lines(iso, a.top)
     write_result(result_name("thread_scaling", a.model, a.tag), out, lines[0], lines[1:],
                  Path(a.out) if a.out else None)
     print("\n".join(lines))

@@ -155,12 +155,18 @@ def test_isolated_products_rerun_what_was_recorded():
     with mode:
         torch.nn.functional.linear(a, w).sum().backward()  # forward mm + two backward mms
         torch.mm(a.detach(), w.detach().t())
+        with torch.inference_mode():  # linear arrives whole here
+            torch.nn.functional.linear(a, w)
     seen = sorted(mode.seen.values(), key=lambda e: -e["count"])
-    assert sum(e["count"] for e in seen) == 4
+    assert sum(e["count"] for e in seen) == 5
+    assert [e["sig"]["op"] for e in seen].count("aten::linear") == 1
     for e in seen:
         fn, flops = _runner(e["sig"])
         out = fn()
         shapes = [s for s, _ in e["sig"]["operands"]]
+        if e["sig"]["op"] == "aten::linear":  # x [m, k], w [n, k]
+            assert out.shape == (5, 3) and flops == 2.0 * 5 * 7 * 3
+            continue
         assert out.shape == (shapes[-2][0], shapes[-1][1])
         assert flops == 2.0 * shapes[-2][0] * shapes[-2][1] * shapes[-1][1]
     strides = {tuple(map(tuple, (st for _, st in e["sig"]["operands"]))) for e in seen}
@@ -177,4 +183,5 @@ def test_thread_scaling_isolated_end_to_end(tmp_path):
     assert iso["products"] and all(p["t1_s"] > 0 and p["t2_s"] > 0 for p in iso["products"])
     assert set(iso["wall_s"]) == {"1", "2"}
     text = (tmp_path / "thread_scaling_tiny-llama.md").read_text()
-    assert "its products, back to back" in text
+    assert "its products, back to back" in text and "outside any op" in text
+    assert {"1", "2"} == set(iso["in_situ"]) and iso["in_situ"]["1"]["op_s"]
