@@ -8,7 +8,8 @@ benchmark's, configured the same way. Arms (``--arms``), each with its thread co
 - ``sync@1``, ``sync@2``: gspo's synchronous loop on 1 and 2 torch threads (item 4: the
   phase-by-phase thread scaling is read from these two); ``sync-blas@1``, ``sync-blas@2``: the
   same with the decode steps' products through ``F.linear`` (``rollout.decode_matmul=blas``, the
-  loop before the oneDNN decode);
+  loop before the oneDNN decode); ``sync-spin@2``: ``sync@2`` with ``OMP_WAIT_POLICY=ACTIVE``
+  (the OpenMP worker spins between parallel regions instead of sleeping: no wake-up latency);
 - ``async1@1+1``, ``async2@1+1``: ``rollout.async_steps=1`` / ``2``, the trainer on 1 thread and
   the engine process on 1 (``rollout.async_threads=1``): 2 cores in all; the engine also runs
   the π_old pass (``old_logprobs=recompute`` in the async loop);
@@ -45,11 +46,17 @@ ARMS: dict[str, tuple[str, int, int, list[str]]] = {
     # the decode steps' products through F.linear (MKL) instead of oneDNN's packed weights
     "sync-blas@1": ("gspo", 1, 0, ["rollout.decode_matmul=blas"]),
     "sync-blas@2": ("gspo", 2, 0, ["rollout.decode_matmul=blas"]),
+    # sync@2 with the OpenMP worker never sleeping between parallel regions (ARM_ENV)
+    "sync-spin@2": ("gspo", 2, 0, []),
     "async1@1+1": ("gspo", 1, 1, ["rollout.async_steps=1", "rollout.async_threads=1"]),
     "async2@1+1": ("gspo", 1, 1, ["rollout.async_steps=2", "rollout.async_threads=1"]),
     "trl@1": ("trl", 1, 0, []),
     "trl@2": ("trl", 2, 0, []),
 }
+
+
+# Environment of an arm's child process, set before torch (and its OpenMP runtime) loads.
+ARM_ENV: dict[str, dict[str, str]] = {"sync-spin@2": {"OMP_WAIT_POLICY": "ACTIVE"}}
 
 
 def total_threads(arm: str) -> int:
@@ -151,6 +158,10 @@ def summarize(results: list[dict[str, Any]], warmup: int, flops: dict[str, float
         if sync[t] and blas[t]:
             out.setdefault("onednn_over_blas", {})[f"@{t}"] = {
                 k: blas[t][k] / sync[t][k] for k in ("step_s", "rollout_s", "update_s")}
+    spin = arms.get("sync-spin@2")
+    if spin and sync[2]:  # OpenMP wake-up latency: a spinning worker against the default
+        out["spin_over_sync@2"] = {k: sync[2][k] / spin[k] for k in (
+            "step_s", "rollout_s", "update_s", "old_logprobs_s") if spin.get(k)}
     for arm, s in arms.items():  # item 5: async step vs max(rollout, update) of a sync step
         if arm.startswith("async"):
             for t, sy in sync.items():
@@ -193,6 +204,10 @@ def table(model: str, summary: dict[str, Any], flops: dict[str, float],
     for t, r in summary.get("onednn_over_blas", {}).items():
         rows.append(f"- oneDNN decode vs blas decode {t}: " + ", ".join(
             f"{k.removesuffix('_s')} {v:.2f}× faster" for k, v in r.items()))
+    if "spin_over_sync@2" in summary:
+        rows.append("- OMP_WAIT_POLICY=ACTIVE vs default @2: " + ", ".join(
+            f"{k.removesuffix('_s')} {v:.2f}× faster"
+            for k, v in summary["spin_over_sync@2"].items()))
     for name, r in summary.get("async_vs_bound", {}).items():
         rows.append(f"- {name}: async step / max(rollout, rest) of the sync step = "
                     f"{r['ratio']:.2f} (bound {r['bound_s']:.2f} s); {r['speedup']:.2f}× faster")
@@ -226,7 +241,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results = []
     for arm in abba(arms, a.reps):
         w0 = time.perf_counter()
-        r = run_child("benchmarks.bench_async", {**spec, "arm": arm})
+        r = run_child("benchmarks.bench_async", {**spec, "arm": arm}, env=ARM_ENV.get(arm))
         print(f"  {arm}: {[round(s['step_s'], 2) for s in r['steps']]} s/step wall "
               f"({time.perf_counter() - w0:.0f} s with start-up)", flush=True)
         results.append(r)

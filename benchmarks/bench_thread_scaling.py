@@ -12,7 +12,8 @@ counted steps), so the top rows are where the second core is lost. Phase times (
 product of one step (``aten::mm``/``addmm``/``bmm``/``linear`` and the decode's oneDNN
 ``mkldnn::_linear_pointwise``, with their shapes, strides and counts, through a
 ``TorchDispatchMode``), then times each distinct product alone at 1 and 2 threads
-(alternating rounds) on operands of the same layout. Their count-weighted sum is the step's
+(alternating rounds) on operands of the same layout, hot (the same operands every call) and
+cold (cycling through operand sets of 3× a 32 MiB L3). Their count-weighted sum is the step's
 matrix work run back to back, so its scaling bounds what any scheduling of the step can reach
 with these kernels; the rest of the step (wall time minus that sum) is reported beside it.
 The same child then runs one more step at each thread count with every op timed where it
@@ -129,8 +130,10 @@ def _signature(name: str, args: Any, out: Any) -> dict[str, Any]:
             "scalars": [a for a in args if not isinstance(a, torch.Tensor)]}
 
 
-def _runner(sig: dict[str, Any]) -> tuple[Any, float]:
-    """A closure that reruns the product of ``sig`` on random operands, and its FLOPs."""
+def _runner(sig: dict[str, Any], copies: int = 1) -> tuple[Any, float]:
+    """A closure that reruns the product of ``sig`` on random operands, and its FLOPs. With
+    ``copies`` > 1 it cycles through that many operand sets, so that each call reads operands
+    that other calls have pushed out of cache (the "cold" timing)."""
     import torch
 
     def make(shape: list[int], stride: list[int]) -> Any:  # any layout, expanded ones too
@@ -139,28 +142,71 @@ def _runner(sig: dict[str, Any]) -> tuple[Any, float]:
 
     if sig["op"] == "mkldnn::_linear_pointwise":
         (shape, stride), n = sig["x"], sig["n"]
-        x = make(shape, stride)
-        k, m = shape[-1], x.numel() // shape[-1]
-        packed = torch.ops.mkldnn._reorder_linear_weight(torch.randn(n, k), m)
-        bias = torch.randn(n) if sig["bias"] else None
-        return (lambda: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], ""),
-                2.0 * m * k * n)
-    ops = [make(s, st) for s, st in sig["operands"]]
-    scalars = sig["scalars"]
-    if sig["op"] == "aten::linear":
-        x, w = ops[0], ops[1]
-        b = ops[2] if len(ops) > 2 else None
-        m, (n, k) = x.numel() // x.shape[-1], w.shape
-        return (lambda: torch.nn.functional.linear(x, w, b)), 2.0 * m * k * n
-    if sig["op"] == "aten::mm":
-        (m, k), n = ops[0].shape, ops[1].shape[1]
-        return (lambda: torch.mm(*ops)), 2.0 * m * k * n
-    if sig["op"] == "aten::addmm":
-        (m, k), n = ops[1].shape, ops[2].shape[1]
-        kw = {"beta": scalars[0], "alpha": scalars[1]} if len(scalars) == 2 else {}
-        return (lambda: torch.addmm(*ops, **kw)), 2.0 * m * k * n
-    b, m, k = ops[0].shape
-    return (lambda: torch.bmm(*ops)), 2.0 * b * m * k * ops[1].shape[2]
+        k = shape[-1]
+        m = max(1, int(torch.tensor(shape).prod()) // k)
+        sets = [(make(shape, stride), torch.ops.mkldnn._reorder_linear_weight(torch.randn(n, k), m),
+                 torch.randn(n) if sig["bias"] else None) for _ in range(copies)]
+        call = lambda x, w, b: torch.ops.mkldnn._linear_pointwise(  # noqa: E731
+            x, w, b, "none", [], "")
+        flops = 2.0 * m * k * n
+    else:
+        sets = [tuple(make(sh, st) for sh, st in sig["operands"]) for _ in range(copies)]
+        shapes = [sh for sh, _ in sig["operands"]]
+        scalars = sig["scalars"]
+        if sig["op"] == "aten::linear":
+            (n, k), m = shapes[1], max(1, int(torch.tensor(shapes[0]).prod()) // shapes[0][-1])
+            call = lambda x, w, *b: torch.nn.functional.linear(x, w, *b)  # noqa: E731
+        elif sig["op"] == "aten::mm":
+            (m, k), n = shapes[0], shapes[1][1]
+            call = torch.mm
+        elif sig["op"] == "aten::addmm":
+            (m, k), n = shapes[1], shapes[2][1]
+            kw = {"beta": scalars[0], "alpha": scalars[1]} if len(scalars) == 2 else {}
+            call = lambda *ops: torch.addmm(*ops, **kw)  # noqa: E731
+        else:  # bmm
+            (b, m, k), n = shapes[0], shapes[1][2]
+            m *= b
+            call = torch.bmm
+        flops = 2.0 * m * k * n
+    state = {"i": 0}
+
+    def fn() -> Any:
+        ops = sets[state["i"] % len(sets)]
+        state["i"] += 1
+        return call(*ops)
+
+    return fn, flops
+
+
+def _operand_bytes(sig: dict[str, Any]) -> int:
+    """Bytes one call of ``sig`` reads (fp32 operands; the oneDNN linear's weight included)."""
+    if sig["op"] == "mkldnn::_linear_pointwise":
+        (shape, _), n = sig["x"], sig["n"]
+        rows = 1
+        for d in shape[:-1]:
+            rows *= d
+        return 4 * (rows * shape[-1] + n * shape[-1])
+    total = 0
+    for shape, _ in sig["operands"]:
+        size = 1
+        for d in shape:
+            size *= d
+        total += 4 * size
+    return total
+
+
+def _time_calls(fn: Any) -> float:
+    """Seconds per call of ``fn``: at least 3 calls and 50 ms, after one warm call."""
+    fn()
+    t0 = time.perf_counter()
+    reps = 0
+    while reps < 3 or time.perf_counter() - t0 < 0.05:
+        fn()
+        reps += 1
+    return (time.perf_counter() - t0) / reps
+
+
+COLD_BYTES = 96 << 20  # operand sets cycled per product in the cold timing: 3× this L3
 
 
 def run_isolated(spec: dict[str, Any]) -> dict[str, Any]:
@@ -194,23 +240,21 @@ def run_isolated(spec: dict[str, Any]) -> dict[str, Any]:
     products = list(mode.seen.values())
     runners = [_runner(p["sig"]) for p in products]
     times: dict[int, list[list[float]]] = {1: [], 2: []}
+    cold: dict[int, list[list[float]]] = {1: [], 2: []}
     for threads in abba([1, 2], spec["rounds"]):
         torch.set_num_threads(threads)
+        times[threads].append([_time_calls(fn) for fn, _ in runners])
         per = []
-        for fn, _ in runners:
-            fn()  # warm: first-call allocation and packing
-            t0 = time.perf_counter()
-            reps = 0
-            while reps < 3 or time.perf_counter() - t0 < 0.05:
-                fn()
-                reps += 1
-            per.append((time.perf_counter() - t0) / reps)
-        times[threads].append(per)
+        for p in products:  # cold: cycle through operand sets 3× the size of L3
+            copies = max(1, min(256, -(-COLD_BYTES // max(1, _operand_bytes(p["sig"])))))
+            per.append(_time_calls(_runner(p["sig"], copies)[0]))
+        cold[threads].append(per)
     out = []
     for i, p in enumerate(products):
         t = {th: median([r[i] for r in times[th]]) for th in (1, 2)}
+        c = {th: median([r[i] for r in cold[th]]) for th in (1, 2)}
         out.append({"sig": p["sig"], "count": p["count"], "flops": runners[i][1],
-                    "t1_s": t[1], "t2_s": t[2]})
+                    "t1_s": t[1], "t2_s": t[2], "cold_t1_s": c[1], "cold_t2_s": c[2]})
     return {"products": out, "wall_s": {str(t): median(walls[t]) for t in (1, 2)},
             "in_situ": {str(t): {"wall_s": in_situ[t], "op_s": modes[t].op_s} for t in (1, 2)}}
 
@@ -258,18 +302,24 @@ def _in_situ_lines(iso: dict[str, Any], top: int) -> list[str]:
 def _isolated_lines(iso: dict[str, Any], top: int) -> list[str]:
     prods = iso["products"]
     tot = {th: sum(p["count"] * p[f"t{th}_s"] for p in prods) for th in (1, 2)}
+    cold = {th: sum(p["count"] * p.get(f"cold_t{th}_s", float("nan")) for p in prods)
+            for th in (1, 2)}
     flops = sum(p["count"] * p["flops"] for p in prods)
     wall = {th: iso["wall_s"][str(th)] for th in (1, 2)}
     rest = {th: wall[th] - tot[th] for th in (1, 2)}
     lines = ["", "**The step's matrix products alone** (`--isolated`: every product of one step "
              f"recorded, {len(prods)} distinct signatures, {sum(p['count'] for p in prods)} "
-             f"calls, {flops / 1e9:.0f} GFLOP, each timed alone on operands of the same layout; "
-             "the step timed unprofiled in the same process, 2 steps per thread count):",
+             f"calls, {flops / 1e9:.0f} GFLOP, each timed alone on operands of the same layout, "
+             "hot (the same operands each call) and cold (cycling through operand sets 3× the "
+             "L3 cache); the step timed unprofiled in the same process, 2 steps per thread "
+             "count):",
              "", "| | 1 thread s | 2 threads s | scaling |", "|---|---|---|---|",
              f"| the step, unprofiled | {wall[1]:.2f} | {wall[2]:.2f} | "
              f"{wall[1] / wall[2]:.2f}× |",
              f"| its products, back to back | {tot[1]:.2f} | {tot[2]:.2f} | "
              f"**{tot[1] / tot[2]:.2f}×** |",
+             f"| its products, back to back, cold operands | {cold[1]:.2f} | {cold[2]:.2f} | "
+             f"{cold[1] / cold[2]:.2f}× |",
              f"| the rest (step − products) | {rest[1]:.2f} | {rest[2]:.2f} | "
              f"{rest[1] / rest[2]:.2f}× |",
              "", "Products ranked by seconds lost, count × (t(2) − t(1)/2):", "",

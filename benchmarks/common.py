@@ -92,10 +92,12 @@ def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-def run_child(module: str, spec: dict[str, Any], *, timeout: float = 3600) -> dict[str, Any]:
-    """Run ``python -m module --child '<json spec>'``; the child prints one JSON line last."""
+def run_child(module: str, spec: dict[str, Any], *, timeout: float = 3600,
+              env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run ``python -m module --child '<json spec>'``; the child prints one JSON line last.
+    ``env``: extra environment variables of the child (read before torch loads)."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore")
+               TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore", **(env or {}))
     cmd = [sys.executable, "-m", module, "--child", json.dumps(spec)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)

@@ -169,6 +169,8 @@ def test_isolated_products_rerun_what_was_recorded():
             continue
         assert out.shape == (shapes[-2][0], shapes[-1][1])
         assert flops == 2.0 * shapes[-2][0] * shapes[-2][1] * shapes[-1][1]
+        cold, _ = _runner(e["sig"], copies=3)  # cycles through 3 operand sets
+        assert [cold().shape for _ in range(4)] == [out.shape] * 4
     strides = {tuple(map(tuple, (st for _, st in e["sig"]["operands"]))) for e in seen}
     assert ((7, 1), (1, 7)) in strides  # a × wᵀ: w's transposed view kept as recorded
 
@@ -184,4 +186,22 @@ def test_thread_scaling_isolated_end_to_end(tmp_path):
     assert set(iso["wall_s"]) == {"1", "2"}
     text = (tmp_path / "thread_scaling_tiny-llama.md").read_text()
     assert "its products, back to back" in text and "outside any op" in text
+    assert "cold operands" in text and all(p["cold_t2_s"] > 0 for p in iso["products"])
     assert {"1", "2"} == set(iso["in_situ"]) and iso["in_situ"]["1"]["op_s"]
+
+
+def test_async_summary_compares_the_spinning_worker_arm():
+    """bench_async's sync-spin@2 arm: its child gets OMP_WAIT_POLICY=ACTIVE, and the summary
+    states it against sync@2 phase by phase."""
+    from benchmarks import bench_async
+
+    assert bench_async.ARM_ENV["sync-spin@2"] == {"OMP_WAIT_POLICY": "ACTIVE"}
+
+    def arm(name, step, roll):
+        return {"arm": name, "peak_rss_mb": 1.0, "steps": [
+            {"step_s": step, "rollout_s": roll, "response_tokens": 8, "old_logprobs_s": 0.5}]}
+
+    s = bench_async.summarize([arm("sync@2", 8.0, 2.0), arm("sync-spin@2", 4.0, 1.0)], 0,
+                              {"total": 1e9}, {"1": 1.0, "2": 2.0})
+    assert s["spin_over_sync@2"]["step_s"] == 2.0 and s["spin_over_sync@2"]["rollout_s"] == 2.0
+    assert s["arms"]["sync-spin@2"]["threads"] == 2
