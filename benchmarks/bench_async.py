@@ -226,6 +226,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--arms", default="sync@1,sync@2,async1@1+1,async2@1+1,trl@2")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
+    p.add_argument("--tag", default="", help="suffix of the result file name")
     a = p.parse_args(argv)
     arms = a.arms.split(",")
     for arm in arms:
@@ -249,7 +250,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     data = {"config": spec, "warmup": a.warmup, "reps": a.reps, "machine": machine(),
             "flops": flops, "matmul_limit_gflops": limit, "summary": summary, "raw": results}
     header, rows = table(a.model, summary, flops, limit)
-    write_result(result_name("async", a.model), data, header, rows, a.out)
+    write_result(result_name("async", a.model, a.tag), data, header, rows, a.out)
     print("\n".join([header, *rows]))
     return data
 
