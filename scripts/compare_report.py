@@ -53,8 +53,9 @@ def main(argv: list[str] | None = None) -> int:
             probes[seed] = json.loads(f.read_text())
     summary = summarize(spec, runs, probes)
     summary["total_wall_s"] = args.wall_min * 60
-    summary["command"] = (f"gspo compare {args.spec}, run as {len(args.runs)} processes side by "
-                          f"side (--arms subsets), report by scripts/compare_report.py"
+    summary["command"] = (f"gspo compare {args.spec}, run as {len(args.runs)} processes "
+                          f"(--arms/--seeds subsets, at most one per core at a time), report "
+                          f"by scripts/compare_report.py"
                           if len(args.runs) > 1 else
                           f"gspo compare {args.spec}, report rewritten by "
                           f"scripts/compare_report.py")
