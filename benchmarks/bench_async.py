@@ -129,6 +129,13 @@ def matmul_limit(model: str, spec: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+def _speedup(base: dict[str, float], other: dict[str, float],
+             phases: tuple[str, ...] = ("step_s", "rollout_s", "update_s", "old_logprobs_s")
+             ) -> dict[str, float]:
+    """How many times faster ``other`` runs each phase than ``base`` (phases it timed)."""
+    return {k: base[k] / other[k] for k in phases if other.get(k)}
+
+
 def summarize(results: list[dict[str, Any]], warmup: int, flops: dict[str, float],
               limit: dict[str, float]) -> dict[str, Any]:
     arms: dict[str, dict[str, float]] = {}
@@ -152,16 +159,14 @@ def summarize(results: list[dict[str, Any]], warmup: int, flops: dict[str, float
     blas = {t: arms.get(f"sync-blas@{t}") for t in (1, 2)}
     for key, pair in (("thread_scaling", sync), ("thread_scaling_blas", blas)):
         if pair[1] and pair[2]:  # item 4: where the second core goes, phase by phase
-            out[key] = {k: pair[1][k] / pair[2][k] for k in (
-                "step_s", "rollout_s", "update_s", "old_logprobs_s") if pair[2].get(k)}
+            out[key] = _speedup(pair[1], pair[2])
     for t in (1, 2):
         if sync[t] and blas[t]:
-            out.setdefault("onednn_over_blas", {})[f"@{t}"] = {
-                k: blas[t][k] / sync[t][k] for k in ("step_s", "rollout_s", "update_s")}
+            out.setdefault("onednn_over_blas", {})[f"@{t}"] = _speedup(
+                blas[t], sync[t], ("step_s", "rollout_s", "update_s"))
     spin = arms.get("sync-spin@2")
     if spin and sync[2]:  # OpenMP wake-up latency: a spinning worker against the default
-        out["spin_over_sync@2"] = {k: sync[2][k] / spin[k] for k in (
-            "step_s", "rollout_s", "update_s", "old_logprobs_s") if spin.get(k)}
+        out["spin_over_sync@2"] = _speedup(sync[2], spin)
     for arm, s in arms.items():  # item 5: async step vs max(rollout, update) of a sync step
         if arm.startswith("async"):
             for t, sy in sync.items():

@@ -29,6 +29,8 @@ AdamW, every other op, and what lies outside any op (Python, the autograd engine
 from __future__ import annotations
 
 import argparse
+import itertools
+import math
 import sys
 import tempfile
 import time
@@ -83,36 +85,35 @@ def run_profiled(spec: dict[str, Any]) -> dict[str, Any]:
             "phases": {k: v / n for k, v in phases.items()}}
 
 
-class _Products:
-    """A ``TorchDispatchMode`` that counts the matrix products run under it, by signature, and
-    times every op in place (wall time around the kernel call, nothing else recorded)."""
+# aten::linear arrives whole under inference mode (no autograd key to decompose it at)
+PRODUCT_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear",
+               "mkldnn::_linear_pointwise")
 
-    # aten::linear arrives whole under inference mode (no autograd key to decompose it at)
-    OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "mkldnn::_linear_pointwise")
 
-    def __new__(cls) -> Any:
-        from torch.utils._python_dispatch import TorchDispatchMode
+def _products_mode() -> Any:
+    """A ``TorchDispatchMode`` that counts the matrix products run under it, by signature
+    (``.seen``), and times every op in place (``.op_s``: wall time around the kernel call)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
 
-        class Mode(TorchDispatchMode):
-            def __init__(self) -> None:
-                super().__init__()
-                self.seen: dict[str, dict[str, Any]] = {}
-                self.op_s: dict[str, float] = {}  # in-situ wall time per op name
+    class Mode(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: dict[str, dict[str, Any]] = {}
+            self.op_s: dict[str, float] = {}  # in-situ wall time per op name
 
-            def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
-                                   kwargs: Any = None) -> Any:
-                t0 = time.perf_counter()
-                out = func(*args, **(kwargs or {}))
-                name = func._schema.name
-                self.op_s[name] = self.op_s.get(name, 0.0) + time.perf_counter() - t0
-                if name in _Products.OPS:
-                    sig = _signature(name, args, out)
-                    key = repr(sig)
-                    entry = self.seen.setdefault(key, {"sig": sig, "count": 0})
-                    entry["count"] += 1
-                return out
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                               kwargs: Any = None) -> Any:
+            t0 = time.perf_counter()
+            out = func(*args, **(kwargs or {}))
+            name = func._schema.name
+            self.op_s[name] = self.op_s.get(name, 0.0) + time.perf_counter() - t0
+            if name in PRODUCT_OPS:
+                sig = _signature(name, args, out)
+                entry = self.seen.setdefault(repr(sig), {"sig": sig, "count": 0})
+                entry["count"] += 1
+            return out
 
-        return Mode()
+    return Mode()
 
 
 def _signature(name: str, args: Any, out: Any) -> dict[str, Any]:
@@ -143,7 +144,7 @@ def _runner(sig: dict[str, Any], copies: int = 1) -> tuple[Any, float]:
     if sig["op"] == "mkldnn::_linear_pointwise":
         (shape, stride), n = sig["x"], sig["n"]
         k = shape[-1]
-        m = max(1, int(torch.tensor(shape).prod()) // k)
+        m = max(1, math.prod(shape) // k)
         sets = [(make(shape, stride), torch.ops.mkldnn._reorder_linear_weight(torch.randn(n, k), m),
                  torch.randn(n) if sig["bias"] else None) for _ in range(copies)]
         call = lambda x, w, b: torch.ops.mkldnn._linear_pointwise(  # noqa: E731
@@ -154,7 +155,7 @@ def _runner(sig: dict[str, Any], copies: int = 1) -> tuple[Any, float]:
         shapes = [sh for sh, _ in sig["operands"]]
         scalars = sig["scalars"]
         if sig["op"] == "aten::linear":
-            (n, k), m = shapes[1], max(1, int(torch.tensor(shapes[0]).prod()) // shapes[0][-1])
+            (n, k), m = shapes[1], max(1, math.prod(shapes[0]) // shapes[0][-1])
             call = lambda x, w, *b: torch.nn.functional.linear(x, w, *b)  # noqa: E731
         elif sig["op"] == "aten::mm":
             (m, k), n = shapes[0], shapes[1][1]
@@ -168,31 +169,16 @@ def _runner(sig: dict[str, Any], copies: int = 1) -> tuple[Any, float]:
             m *= b
             call = torch.bmm
         flops = 2.0 * m * k * n
-    state = {"i": 0}
-
-    def fn() -> Any:
-        ops = sets[state["i"] % len(sets)]
-        state["i"] += 1
-        return call(*ops)
-
-    return fn, flops
+    operands = itertools.cycle(sets)
+    return (lambda: call(*next(operands))), flops
 
 
 def _operand_bytes(sig: dict[str, Any]) -> int:
     """Bytes one call of ``sig`` reads (fp32 operands; the oneDNN linear's weight included)."""
     if sig["op"] == "mkldnn::_linear_pointwise":
         (shape, _), n = sig["x"], sig["n"]
-        rows = 1
-        for d in shape[:-1]:
-            rows *= d
-        return 4 * (rows * shape[-1] + n * shape[-1])
-    total = 0
-    for shape, _ in sig["operands"]:
-        size = 1
-        for d in shape:
-            size *= d
-        total += 4 * size
-    return total
+        return 4 * (math.prod(shape) + n * shape[-1])
+    return 4 * sum(math.prod(shape) for shape, _ in sig["operands"])
 
 
 def _time_calls(fn: Any) -> float:
@@ -210,7 +196,8 @@ COLD_BYTES = 96 << 20  # operand sets cycled per product in the cold timing: 3×
 
 
 def run_isolated(spec: dict[str, Any]) -> dict[str, Any]:
-    """One child: record one step's products, then time each alone at 1 and 2 threads."""
+    """One child: the step unprofiled and under the op timer at 1 and 2 threads, then each of
+    its recorded products alone (hot and cold) at 1 and 2 threads."""
     import torch
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -229,7 +216,7 @@ def run_isolated(spec: dict[str, Any]) -> dict[str, Any]:
         in_situ: dict[int, float] = {}
         for threads in (1, 2):  # every op timed where it runs, at both thread counts
             torch.set_num_threads(threads)
-            modes[threads] = _Products()
+            modes[threads] = _products_mode()
             t0 = time.perf_counter()
             with modes[threads]:
                 trainer.train_step()
@@ -259,7 +246,7 @@ def run_isolated(spec: dict[str, Any]) -> dict[str, Any]:
             "in_situ": {str(t): {"wall_s": in_situ[t], "op_s": modes[t].op_s} for t in (1, 2)}}
 
 
-_GROUPS = (("matrix products", _Products.OPS),
+_GROUPS = (("matrix products", PRODUCT_OPS),
            ("attention (SDPA forward and backward)", (
                "aten::_scaled_dot_product_flash_attention_for_cpu",
                "aten::_scaled_dot_product_flash_attention_for_cpu_backward")),

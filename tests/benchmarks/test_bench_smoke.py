@@ -148,10 +148,10 @@ def test_isolated_products_rerun_what_was_recorded():
     by signature (transposed layouts apart), and its rerun has the recorded shape and FLOPs."""
     import torch
 
-    from benchmarks.bench_thread_scaling import _Products, _runner
+    from benchmarks.bench_thread_scaling import _products_mode, _runner
 
     a, w = torch.randn(5, 7, requires_grad=True), torch.randn(3, 7, requires_grad=True)
-    mode = _Products()
+    mode = _products_mode()
     with mode:
         torch.nn.functional.linear(a, w).sum().backward()  # forward mm + two backward mms
         torch.mm(a.detach(), w.detach().t())
