@@ -285,6 +285,7 @@ def test_yaml_timestamp_like_override_is_a_string_or_error():
     (["rollout.decode_matmul=onednn", "dtype=bfloat16"], "rollout.decode_matmul=onednn"),
     (["rollout.decode_matmul=onednn", "device=cuda:0"], "rollout.decode_matmul=onednn"),
     (["rollout.decode_matmul=mkl"], "rollout.decode_matmul"),
+    (["compile_layers=true", "lean_forward=false"], "compile_layers=true"),
 ])
 def test_cross_field_checks(overrides, needle):
     with pytest.raises(ConfigError) as e:

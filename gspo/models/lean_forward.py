@@ -67,7 +67,7 @@ def key_bias(key_mask: torch.Tensor, queries: int, dtype: torch.dtype) -> torch.
 
 def lean_hidden(backbone: Any, input_ids: torch.Tensor, position_ids: torch.Tensor,
                 bias: torch.Tensor, past: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
-                keep_kv: bool = False
+                keep_kv: bool = False, compiled: bool = False
                 ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
     """The backbone's last hidden states (after its final norm) for ``input_ids`` [B, S].
 
@@ -80,34 +80,61 @@ def lean_hidden(backbone: Any, input_ids: torch.Tensor, position_ids: torch.Tens
         past: per layer (keys, values) [B, kv_heads, P, head_dim] to attend to before the
             pass's own tokens (rotated, as ``keep_kv`` returns them).
         keep_kv: also return each layer's (keys, values), past included.
+        compiled: run each layer through :func:`compiled_layer` (the same arithmetic, fused by
+            torch.compile; equal to fp32 rounding, not bit for bit).
     Returns:
         ``(hidden [B, S, hidden], kv)``; gradients flow through both, and into ``past``.
     """
-    b, s = input_ids.shape
     x = backbone.embed_tokens(input_ids)
     cos, sin = backbone.rotary_emb(x, position_ids)  # [B, S, head_dim]
     cos, sin = cos[:, None], _signed(sin)[:, None]  # broadcast over heads
     kept = []
+    step = compiled_layer() if compiled else lean_layer
     for i, layer in enumerate(backbone.layers):
-        attn, mlp = layer.self_attn, layer.mlp
-        d = attn.head_dim
-        h = layer.input_layernorm(x)
-        q, k, v = (F.linear(h, p.weight, p.bias).view(b, s, -1, d)
-                   for p in (attn.q_proj, attn.k_proj, attn.v_proj))
-        if hasattr(attn, "q_norm"):  # Qwen3: RMS norm per head before the rotation
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-        if past is not None:
-            k, v = torch.cat([past[i][0], k], dim=2), torch.cat([past[i][1], v], dim=2)
+        x, k, v = step(layer, x, cos, sin, bias, *(past[i] if past is not None else (None, None)))
         if keep_kv:
             kept.append((k, v))
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=attn.scaling,
-                                           enable_gqa=k.shape[1] != q.shape[1])
-        x = x + F.linear(o.transpose(1, 2).reshape(b, s, -1), attn.o_proj.weight,
-                         attn.o_proj.bias)
-        h = layer.post_attention_layernorm(x)
-        gate = F.linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias)
-        up = F.linear(h, mlp.up_proj.weight, mlp.up_proj.bias)
-        x = x + F.linear(mlp.act_fn(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
     return backbone.norm(x), kept
+
+
+def lean_layer(layer: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               bias: torch.Tensor, past_k: torch.Tensor | None, past_v: torch.Tensor | None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One decoder layer of :func:`lean_hidden`: ``(x after the layer, keys, values)``, the keys
+    and values rotated and ``past_k``/``past_v`` (or None) prepended."""
+    b, s = x.shape[:2]
+    attn, mlp = layer.self_attn, layer.mlp
+    d = attn.head_dim
+    h = layer.input_layernorm(x)
+    q, k, v = (F.linear(h, p.weight, p.bias).view(b, s, -1, d)
+               for p in (attn.q_proj, attn.k_proj, attn.v_proj))
+    if hasattr(attn, "q_norm"):  # Qwen3: RMS norm per head before the rotation
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+    if past_k is not None and past_v is not None:
+        k, v = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=attn.scaling,
+                                       enable_gqa=k.shape[1] != q.shape[1])
+    x = x + F.linear(o.transpose(1, 2).reshape(b, s, -1), attn.o_proj.weight, attn.o_proj.bias)
+    h = layer.post_attention_layernorm(x)
+    gate = F.linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias)
+    up = F.linear(h, mlp.up_proj.weight, mlp.up_proj.bias)
+    x = x + F.linear(mlp.act_fn(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
+    return x, k, v
+
+
+_COMPILED: list[Any] = []
+
+
+def compiled_layer() -> Any:
+    """:func:`lean_layer` through ``torch.compile`` (inductor, dynamic shapes), built once per
+    process and shared by every layer of every model: each layer's weights are inputs of the
+    graph, not constants, so one graph per kind of pass serves them all (prompt pass, pass over
+    a prompt's keys, with and without autograd). Inductor fuses the elementwise work around the
+    products (norms, rotation, residual adds, SiLU × up, and their backward) into generated C++
+    loops; the products stay library calls. The first pass of each kind compiles (tens of
+    seconds on a CPU; inductor caches the result on disk for later processes)."""
+    if not _COMPILED:
+        _COMPILED.append(torch.compile(lean_layer, dynamic=True))
+    return _COMPILED[0]

@@ -130,7 +130,8 @@ def head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 def token_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                    target_mask: torch.Tensor, *, temperature: float = 1.0, chunk: int = 256,
                    position_ids: torch.Tensor | None = None, with_entropy: bool = False,
-                   lean: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                   lean: bool = False, compiled: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """log π(x_t | x_<t) / entropy at every position where ``target_mask`` is 1, zero elsewhere.
 
     Args:
@@ -140,6 +141,8 @@ def token_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Te
         lean: run the backbone through :func:`gspo.models.lean_forward.lean_hidden` (same
             arithmetic, less per-call work); the caller has checked
             :func:`gspo.models.lean_forward.lean_unsupported`.
+        compiled: with ``lean``, each layer through torch.compile
+            (:func:`gspo.models.lean_forward.compiled_layer`; equal to fp32 rounding).
     Returns:
         ``(logprobs, entropy)``, both fp32 [B, T]; entropy carries no gradient.
     """
@@ -154,7 +157,7 @@ def token_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Te
                 position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
             attn_bias = key_bias(attention_mask, input_ids.shape[1], head.weight.dtype)
             hidden = lean_hidden(backbone, input_ids, position_ids.expand_as(input_ids),
-                                 attn_bias)[0]
+                                 attn_bias, compiled=compiled)[0]
         else:
             hidden = backbone(input_ids=input_ids, attention_mask=attention_mask,
                               position_ids=position_ids, use_cache=False).last_hidden_state

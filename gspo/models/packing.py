@@ -41,15 +41,16 @@ def _prefixes(input_ids: torch.Tensor,
 def shared_prefix_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                            target_mask: torch.Tensor, *, temperature: float = 1.0,
                            chunk: int = 256, with_entropy: bool = False,
-                           lean: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                           lean: bool = False, compiled: bool = False
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """log π(x_t | x_<t) / entropy where ``target_mask`` is 1, each distinct prompt run once.
 
     Args:
         input_ids, attention_mask, target_mask: [B, T], right-padded (as built by
             :func:`gspo.rollout.pad_batch`); a row's prompt is every token before its first
             target, and its targets lie between that token and its last real token.
-        temperature, chunk, with_entropy, lean: as in :func:`token_logprobs` (with ``lean``
-            both passes run through :func:`gspo.models.lean_forward.lean_hidden`).
+        temperature, chunk, with_entropy, lean, compiled: as in :func:`token_logprobs` (with
+            ``lean`` both passes run through :func:`gspo.models.lean_forward.lean_hidden`).
     Returns:
         ``(logprobs, entropy)``, both fp32 [B, T], zero off target; entropy carries no gradient.
     """
@@ -61,12 +62,12 @@ def shared_prefix_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: 
             or not bool(has_target.all())):
         return token_logprobs(model, input_ids, attention_mask, target_mask,
                               temperature=temperature, chunk=chunk, with_entropy=with_entropy,
-                              lean=lean)
+                              lean=lean, compiled=compiled)
     prompts, owner, starts = _prefixes(input_ids, target_mask)
     if len(prompts) == input_ids.shape[0] or min(len(p) for p in prompts) == 0:
         return token_logprobs(model, input_ids, attention_mask, target_mask,
                               temperature=temperature, chunk=chunk, with_entropy=with_entropy,
-                              lean=lean)
+                              lean=lean, compiled=compiled)
     head = split[1]
     # 1. Each distinct prompt once, left-padded so that every prompt ends at the same column.
     width, dev = max(len(p) for p in prompts), input_ids.device
@@ -78,7 +79,8 @@ def shared_prefix_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: 
     p_pos = (p_mask.cumsum(-1) - 1).clamp(min=0)
     if lean:
         p_hidden, kv = lean_hidden(backbone, p_ids, p_pos,
-                                   key_bias(p_mask, width, head.weight.dtype), keep_kv=True)
+                                   key_bias(p_mask, width, head.weight.dtype), keep_kv=True,
+                                   compiled=compiled)
         last = p_hidden[:, -1]
         kv = [(k[owner], v[owner]) for k, v in kv]  # row i reads prompt owner[i]'s
     else:
@@ -101,7 +103,7 @@ def shared_prefix_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: 
     r_pos = starts[:, None] + cols[None]
     if lean:
         hidden = lean_hidden(backbone, r_ids, r_pos, key_bias(mask, r_width, head.weight.dtype),
-                             past=kv)[0]
+                             past=kv, compiled=compiled)[0]
     else:
         hidden = backbone(input_ids=r_ids, attention_mask=mask, position_ids=r_pos,
                           **{key: cache}, use_cache=True).last_hidden_state

@@ -275,9 +275,14 @@ class Trainer:
         in a rank's rows) would desynchronise the ranks' per-layer all-gathers; both keep the
         plain path. Llama-family dense policies skip forward()'s per-call work (same values)."""
         packed = self.cfg.logprob_packing and not self.hooks.active and not self._fsdp2
-        self.lean = self.cfg.lean_forward and lean_unsupported(self.model) is None
+        why = lean_unsupported(self.model)
+        self.lean = self.cfg.lean_forward and why is None
+        if self.cfg.compile_layers and why is not None:
+            raise ConfigError(f"compile_layers=true compiles the lean log-prob pass, which this "
+                              f"model cannot take: {why}")
         self.logprob_fn = functools.partial(
-            shared_prefix_logprobs if packed else token_logprobs, lean=self.lean)
+            shared_prefix_logprobs if packed else token_logprobs, lean=self.lean,
+            compiled=self.cfg.compile_layers)
         self.inference = self.lean and inference_safe(self.model)  # π_old pass, see there
 
     def _async_rollout(self, k: int) -> AsyncRollout | None:

@@ -205,3 +205,26 @@ def test_async_summary_compares_the_spinning_worker_arm():
                               {"total": 1e9}, {"1": 1.0, "2": 2.0})
     assert s["spin_over_sync@2"]["step_s"] == 2.0 and s["spin_over_sync@2"]["rollout_s"] == 2.0
     assert s["arms"]["sync-spin@2"]["threads"] == 2
+
+
+def test_async_summary_states_compiled_layers_against_eager():
+    """bench_async's sync-compile arms: compile_layers=true in the child's overrides, and the
+    summary gives their thread scaling and their speed against the eager arm at each count."""
+    from benchmarks import bench_async
+
+    assert bench_async.ARMS["sync-compile@2"] == ("gspo", 2, 0, ["compile_layers=true"])
+
+    def arm(name, step, roll):
+        return {"arm": name, "peak_rss_mb": 1.0, "steps": [
+            {"step_s": step, "rollout_s": roll, "response_tokens": 8, "old_logprobs_s": 0.5}]}
+
+    s = bench_async.summarize([arm("sync@1", 12.0, 3.0), arm("sync@2", 8.0, 2.0),
+                               arm("sync-compile@1", 10.0, 3.0),
+                               arm("sync-compile@2", 5.0, 2.0)], 0, {"total": 1e9},
+                              {"1": 1.0, "2": 2.0})
+    assert s["thread_scaling_compile"]["step_s"] == 2.0
+    assert s["compile_over_sync"]["@1"]["step_s"] == 1.2
+    assert s["compile_over_sync"]["@2"]["update_s"] == 2.0
+    header, rows = bench_async.table("m", s, {"total": 1e9, "rollout": 1, "old_logprobs": 1,
+                                              "update": 1}, {"1": 1.0, "2": 2.0})
+    assert any(r.startswith("- compile_layers vs eager @2: step 1.60× faster") for r in rows)

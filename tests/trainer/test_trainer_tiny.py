@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from gspo.config import load_config
+from gspo.config import ConfigError, load_config
 from gspo.trainer import Trainer
 
 
@@ -109,7 +109,7 @@ def test_lean_forward_gives_the_same_update_as_forward(tmp_path):
         t = Trainer(_cfg(tmp_path, f"l{lean}", "steps=1", "eval_before=false",
                          "task.eval_size=0", "rollout.group_size=4", "optim.lr=1e-2",
                          f"lean_forward={lean}"), reward_fns=[char_codes]).setup()
-        assert t.logprob_fn.keywords == {"lean": lean == "true"}
+        assert t.logprob_fn.keywords == {"lean": lean == "true", "compiled": False}
         t.train()
         row = json.loads(open(t.run_dir / "metrics.jsonl").readline())
         out[lean] = _weights(t.run_dir, 1), row["objective/seq_ratio_std"]
@@ -118,7 +118,29 @@ def test_lean_forward_gives_the_same_update_as_forward(tmp_path):
         torch.testing.assert_close(out["true"][0][k], out["false"][0][k], rtol=1e-4, atol=1e-5)
     moe = Trainer(_cfg(tmp_path, "moe", "model=tiny:qwen3_moe", "steps=1"),
                   reward_fns=[char_codes]).setup()
-    assert moe.logprob_fn.keywords == {"lean": False}
+    assert moe.logprob_fn.keywords == {"lean": False, "compiled": False}
+    with pytest.raises(ConfigError, match="compile_layers=true compiles the lean log-prob pass"):
+        Trainer(_cfg(tmp_path, "moe_c", "model=tiny:qwen3_moe", "steps=1",
+                     "compile_layers=true"), reward_fns=[char_codes]).setup()
+
+
+@pytest.mark.slow  # inductor compiles C++ kernels (~1 min on 2 cores, cold cache)
+def test_compile_layers_gives_the_same_update_as_the_eager_pass(tmp_path):
+    """compile_layers=true reaches every log-prob pass of the step (π_old, the update's forward
+    and backward) and moves the weights as the eager lean pass does, to fp32 rounding."""
+    out = {}
+    for compiled in ("true", "false"):
+        t = Trainer(_cfg(tmp_path, f"c{compiled}", "steps=1", "eval_before=false",
+                         "task.eval_size=0", "rollout.group_size=4", "optim.lr=1e-2",
+                         "objective.num_minibatches=2", f"compile_layers={compiled}"),
+                    reward_fns=[char_codes]).setup()
+        assert t.logprob_fn.keywords == {"lean": True, "compiled": compiled == "true"}
+        t.train()
+        row = json.loads(open(t.run_dir / "metrics.jsonl").readline())
+        out[compiled] = _weights(t.run_dir, 1), row["objective/seq_ratio_std"]
+    assert out["true"][1] == pytest.approx(out["false"][1], rel=1e-3, abs=1e-7)
+    for k in out["true"][0]:
+        torch.testing.assert_close(out["true"][0][k], out["false"][0][k], rtol=1e-3, atol=1e-4)
 
 
 def test_old_logprobs_from_inference_mode_come_back_as_normal_tensors(tmp_path):
