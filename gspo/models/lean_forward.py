@@ -20,6 +20,9 @@ matters under training (gradient checkpointing, attention dropout); everything e
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import shutil
 from typing import Any
 
 import torch
@@ -125,6 +128,17 @@ def lean_layer(layer: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 
 
 _COMPILED: list[Any] = []
+
+
+def compile_unsupported(device: torch.device) -> str | None:
+    """Why :func:`compiled_layer` cannot run on ``device`` (None when it can): inductor
+    generates C++ on a CPU and Triton kernels on a GPU, and needs the tool for each."""
+    if device.type == "cuda":
+        return None if importlib.util.find_spec("triton") else "torch.compile on CUDA needs triton"
+    compilers = [os.environ.get("CXX") or "", "g++", "c++", "clang++"]
+    if device.type == "cpu" and not any(c and shutil.which(c) for c in compilers):
+        return "torch.compile's inductor needs a C++ compiler on the CPU (g++ or clang++)"
+    return None
 
 
 def compiled_layer() -> Any:

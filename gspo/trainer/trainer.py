@@ -28,7 +28,7 @@ from gspo.config import ConfigError, TrainConfig, to_dict, validate
 from gspo.data import build_task, format_prompt
 from gspo.data.hf import task_from_records
 from gspo.models import load_model, token_logprobs
-from gspo.models.lean_forward import inference_safe, lean_unsupported
+from gspo.models.lean_forward import compile_unsupported, inference_safe, lean_unsupported
 from gspo.models.lora import apply_lora, is_peft, reference_logprobs
 from gspo.models.packing import shared_prefix_logprobs
 from gspo.models.tokens import eos_ids
@@ -280,6 +280,8 @@ class Trainer:
         if self.cfg.compile_layers and why is not None:
             raise ConfigError(f"compile_layers=true compiles the lean log-prob pass, which this "
                               f"model cannot take: {why}")
+        if self.cfg.compile_layers and (why := compile_unsupported(self.dist.device)):
+            raise ConfigError(f"compile_layers=true: {why}")
         self.logprob_fn = functools.partial(
             shared_prefix_logprobs if packed else token_logprobs, lean=self.lean,
             compiled=self.cfg.compile_layers)

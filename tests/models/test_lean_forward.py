@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
-from gspo.models.lean_forward import key_bias, lean_unsupported
+from gspo.models.lean_forward import compile_unsupported, key_bias, lean_unsupported
 from gspo.models.logprobs import token_logprobs
 from gspo.models.packing import shared_prefix_logprobs
 from gspo.models.tiny import tiny_moe_config
@@ -72,6 +72,8 @@ def test_lean_pass_equals_forward_values_and_gradients(kind, fn):
 
 
 @pytest.mark.slow  # inductor compiles C++ kernels: ~1 min a model on 2 cores, cold cache
+@pytest.mark.skipif(compile_unsupported(torch.device("cpu")) is not None,
+                    reason="no C++ compiler for torch.compile's inductor")
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_compiled_layers_equal_the_eager_lean_pass(kind):
     """compile_layers: each layer through torch.compile (one graph for every layer, dynamic
@@ -146,3 +148,15 @@ def test_fast_generate_returns_normal_tensors_and_leaves_module_state_alone():
         assert not any(lp.is_inference() for lp in roll.logprobs)
         roll.logprobs[0].add_(0.0)  # an inference tensor would refuse this
         assert not any(b.is_inference() for b in model.buffers())
+
+
+def test_compile_unsupported_names_the_missing_compiler(monkeypatch):
+    """compile_layers on a CPU without a C++ compiler: one line naming what is missing, before
+    the first step (inductor would fail inside it with a long trace)."""
+    import gspo.models.lean_forward as lf
+
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setattr(lf.shutil, "which", lambda name: None)
+    assert "C++ compiler" in lf.compile_unsupported(torch.device("cpu"))
+    monkeypatch.setattr(lf.shutil, "which", lambda name: f"/usr/bin/{name}")
+    assert lf.compile_unsupported(torch.device("cpu")) is None
