@@ -329,7 +329,8 @@ class TrainConfig:
     compile_layers: bool = _f(
         False, "the lean log-prob passes run each decoder layer through torch.compile "
         "(inductor fuses the elementwise work around the products; equal to fp32 rounding, "
-        "not bit for bit; the first step compiles, ~1 min for SmolLM2 on 2 CPU cores). Needs "
+        "not bit for bit; the first step compiles: 1-2 min for SmolLM2 on 2 CPU cores, seconds "
+        "from inductor's disk cache). Needs "
         "lean_forward=true and a model the lean pass supports")
     gradient_checkpointing: bool = _f(False, "recompute activations in backward (saves memory)")
     save_every: int = _f(0, "checkpoint every k steps (0: only at the end)")

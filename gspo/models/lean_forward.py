@@ -127,9 +127,6 @@ def lean_layer(layer: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     return x, k, v
 
 
-_COMPILED: list[Any] = []
-
-
 def compile_unsupported(device: torch.device) -> str | None:
     """Why :func:`compiled_layer` cannot run on ``device`` (None when it can): inductor
     generates C++ on a CPU and Triton kernels on a GPU, and needs the tool for each."""
@@ -139,6 +136,9 @@ def compile_unsupported(device: torch.device) -> str | None:
     if device.type == "cpu" and not any(c and shutil.which(c) for c in compilers):
         return "torch.compile's inductor needs a C++ compiler on the CPU (g++ or clang++)"
     return None
+
+
+_COMPILED: list[Any] = []
 
 
 def compiled_layer() -> Any:
