@@ -13,6 +13,9 @@ benchmark's, configured the same way. Arms (``--arms``), each with its thread co
   ``sync-compile@1``, ``sync-compile@2``: ``compile_layers=true`` (the π_old and update passes
   run each decoder layer through torch.compile; each child compiles in its first step, which
   ``--warmup`` leaves out, from inductor's on-disk cache after the first child);
+  ``sync-thp@1``, ``sync-thp@2``: ``THP_MEM_ALLOC_ENABLE=1`` (PyTorch's CPU allocator aligns
+  blocks of ≥ 2 MiB to 2 MiB and asks for transparent huge pages, fewer TLB misses; this host's
+  THP mode is ``madvise``, so nothing else gets them);
 - ``async1@1+1``, ``async2@1+1``: ``rollout.async_steps=1`` / ``2``, the trainer on 1 thread and
   the engine process on 1 (``rollout.async_threads=1``): 2 cores in all; the engine also runs
   the π_old pass (``old_logprobs=recompute`` in the async loop);
@@ -54,6 +57,9 @@ ARMS: dict[str, tuple[str, int, int, list[str]]] = {
     # the trainer's log-prob passes with each decoder layer through torch.compile
     "sync-compile@1": ("gspo", 1, 0, ["compile_layers=true"]),
     "sync-compile@2": ("gspo", 2, 0, ["compile_layers=true"]),
+    # tensors of >= 2 MiB on transparent huge pages (ARM_ENV)
+    "sync-thp@1": ("gspo", 1, 0, []),
+    "sync-thp@2": ("gspo", 2, 0, []),
     "async1@1+1": ("gspo", 1, 1, ["rollout.async_steps=1", "rollout.async_threads=1"]),
     "async2@1+1": ("gspo", 1, 1, ["rollout.async_steps=2", "rollout.async_threads=1"]),
     "trl@1": ("trl", 1, 0, []),
@@ -62,7 +68,12 @@ ARMS: dict[str, tuple[str, int, int, list[str]]] = {
 
 
 # Environment of an arm's child process, set before torch (and its OpenMP runtime) loads.
-ARM_ENV: dict[str, dict[str, str]] = {"sync-spin@2": {"OMP_WAIT_POLICY": "ACTIVE"}}
+ARM_ENV: dict[str, dict[str, str]] = {"sync-spin@2": {"OMP_WAIT_POLICY": "ACTIVE"},
+                                      "sync-thp@1": {"THP_MEM_ALLOC_ENABLE": "1"},
+                                      "sync-thp@2": {"THP_MEM_ALLOC_ENABLE": "1"}}
+# Variants of the sync arms compared with sync@1 / sync@2 (sync-<variant>@<threads>): their own
+# thread scaling and their speed against the default at each thread count.
+VARIANTS = {"compile": "compile_layers", "thp": "THP_MEM_ALLOC_ENABLE=1"}
 
 
 def total_threads(arm: str) -> int:
@@ -163,17 +174,19 @@ def summarize(results: list[dict[str, Any]], warmup: int, flops: dict[str, float
     out: dict[str, Any] = {"arms": arms}
     sync = {t: arms.get(f"sync@{t}") for t in (1, 2)}
     blas = {t: arms.get(f"sync-blas@{t}") for t in (1, 2)}
-    comp = {t: arms.get(f"sync-compile@{t}") for t in (1, 2)}
-    for key, pair in (("thread_scaling", sync), ("thread_scaling_blas", blas),
-                      ("thread_scaling_compile", comp)):
+    pairs = {"thread_scaling": sync, "thread_scaling_blas": blas}
+    for v in VARIANTS:
+        pairs[f"thread_scaling_{v}"] = var = {t: arms.get(f"sync-{v}@{t}") for t in (1, 2)}
+        for t in (1, 2):
+            if sync[t] and var[t]:
+                out.setdefault(f"{v}_over_sync", {})[f"@{t}"] = _speedup(sync[t], var[t])
+    for key, pair in pairs.items():
         if pair[1] and pair[2]:  # item 4: where the second core goes, phase by phase
             out[key] = _speedup(pair[1], pair[2])
     for t in (1, 2):
         if sync[t] and blas[t]:
             out.setdefault("onednn_over_blas", {})[f"@{t}"] = _speedup(
                 blas[t], sync[t], ("step_s", "rollout_s", "update_s"))
-        if sync[t] and comp[t]:
-            out.setdefault("compile_over_sync", {})[f"@{t}"] = _speedup(sync[t], comp[t])
     spin = arms.get("sync-spin@2")
     if spin and sync[2]:  # OpenMP wake-up latency: a spinning worker against the default
         out["spin_over_sync@2"] = _speedup(sync[2], spin)
@@ -216,13 +229,14 @@ def table(model: str, summary: dict[str, Any], flops: dict[str, float],
         rows.append("Thread scaling, sync-blas@1 / sync-blas@2 (s): " + ", ".join(
             f"{k.removesuffix('_s')} {v:.2f}×"
             for k, v in summary["thread_scaling_blas"].items()))
-    if "thread_scaling_compile" in summary:
-        rows.append("Thread scaling, sync-compile@1 / sync-compile@2 (s): " + ", ".join(
-            f"{k.removesuffix('_s')} {v:.2f}×"
-            for k, v in summary["thread_scaling_compile"].items()))
-    for t, r in summary.get("compile_over_sync", {}).items():
-        rows.append(f"- compile_layers vs eager {t}: " + ", ".join(
-            f"{k.removesuffix('_s')} {v:.2f}× faster" for k, v in r.items()))
+    for var, what in VARIANTS.items():
+        if f"thread_scaling_{var}" in summary:
+            rows.append(f"Thread scaling, sync-{var}@1 / sync-{var}@2 (s): " + ", ".join(
+                f"{k.removesuffix('_s')} {v:.2f}×"
+                for k, v in summary[f"thread_scaling_{var}"].items()))
+        for t, r in summary.get(f"{var}_over_sync", {}).items():
+            rows.append(f"- {what} vs default {t}: " + ", ".join(
+                f"{k.removesuffix('_s')} {v:.2f}× faster" for k, v in r.items()))
     for t, r in summary.get("onednn_over_blas", {}).items():
         rows.append(f"- oneDNN decode vs blas decode {t}: " + ", ".join(
             f"{k.removesuffix('_s')} {v:.2f}× faster" for k, v in r.items()))

@@ -227,4 +227,5 @@ def test_async_summary_states_compiled_layers_against_eager():
     assert s["compile_over_sync"]["@2"]["update_s"] == 2.0
     _, rows = bench_async.table("m", s, {"total": 1e9, "rollout": 1, "old_logprobs": 1,
                                         "update": 1}, {"1": 1.0, "2": 2.0})
-    assert any(r.startswith("- compile_layers vs eager @2: step 1.60× faster") for r in rows)
+    assert any(r.startswith("- compile_layers vs default @2: step 1.60× faster") for r in rows)
+    assert bench_async.ARM_ENV["sync-thp@1"] == {"THP_MEM_ALLOC_ENABLE": "1"}
