@@ -78,6 +78,18 @@ def test_resume_is_bit_identical(tmp_path):
     assert steps == sorted(steps) and steps.count(3) == 1
 
 
+def _one_step(tmp_path, name, *overrides):
+    """One training step (lr 1e-2, group 4, no evaluation): the trainer, the step's weights and
+    its sequence-ratio spread."""
+    t = Trainer(_cfg(tmp_path, name, "steps=1", "eval_before=false", "task.eval_size=0",
+                     "rollout.group_size=4", "optim.lr=1e-2", *overrides),
+                reward_fns=[char_codes]).setup()
+    t.train()
+    row = json.loads(open(t.run_dir / "metrics.jsonl").readline())
+    assert row["train/grad_norm"] > 1e-3  # the step moved the weights
+    return t, _weights(t.run_dir, 1), row["objective/seq_ratio_std"]
+
+
 def test_packed_and_plain_logprob_paths_give_the_same_update(tmp_path):
     """logprob_packing (each prompt once) and the plain [N, T] pass: one step, same weights
     (lr 1e-2: Adam moves weights by ~1e-2, a wrong log-prob path by as much)."""
@@ -85,17 +97,11 @@ def test_packed_and_plain_logprob_paths_give_the_same_update(tmp_path):
 
     out = {}
     for packing in ("true", "false"):
-        t = Trainer(_cfg(tmp_path, f"p{packing}", "steps=1", "eval_before=false",
-                         "task.eval_size=0", "rollout.group_size=4", "optim.lr=1e-2",
-                         "objective.name=grpo", "objective.eps_low=0.2",
-                         "objective.eps_high=0.27", f"logprob_packing={packing}"),
-                    reward_fns=[char_codes]).setup()
+        t, *out[packing] = _one_step(tmp_path, f"p{packing}", "objective.name=grpo",
+                                     "objective.eps_low=0.2", "objective.eps_high=0.27",
+                                     f"logprob_packing={packing}")
         assert (t.logprob_fn.func is shared_prefix_logprobs) == (packing == "true")
-        assert t.logprob_fn.keywords == {"lean": True}
-        t.train()
-        row = json.loads(open(t.run_dir / "metrics.jsonl").readline())
-        assert row["train/grad_norm"] > 1e-3  # the step moved the weights
-        out[packing] = _weights(t.run_dir, 1), row["objective/seq_ratio_std"]
+        assert t.logprob_fn.keywords == {"lean": True, "compiled": False}
     assert out["true"][1] == pytest.approx(out["false"][1], rel=1e-3, abs=1e-7)
     for k in out["true"][0]:  # Adam's first step ≈ lr·sign(g): a gradient entry near zero
         # turns fp32 rounding into up to ~1e-5 of weight; a wrong path moves weights by ~1e-2
@@ -107,13 +113,8 @@ def test_lean_forward_gives_the_same_update_as_forward(tmp_path):
     one step, same weights and stats; MoE policies never take it."""
     out = {}
     for lean in ("true", "false"):
-        t = Trainer(_cfg(tmp_path, f"l{lean}", "steps=1", "eval_before=false",
-                         "task.eval_size=0", "rollout.group_size=4", "optim.lr=1e-2",
-                         f"lean_forward={lean}"), reward_fns=[char_codes]).setup()
+        t, *out[lean] = _one_step(tmp_path, f"l{lean}", f"lean_forward={lean}")
         assert t.logprob_fn.keywords == {"lean": lean == "true", "compiled": False}
-        t.train()
-        row = json.loads(open(t.run_dir / "metrics.jsonl").readline())
-        out[lean] = _weights(t.run_dir, 1), row["objective/seq_ratio_std"]
     assert out["true"][1] == pytest.approx(out["false"][1], rel=1e-4, abs=1e-8)
     for k in out["true"][0]:
         torch.testing.assert_close(out["true"][0][k], out["false"][0][k], rtol=1e-4, atol=1e-5)
@@ -133,14 +134,9 @@ def test_compile_layers_gives_the_same_update_as_the_eager_pass(tmp_path):
     and backward) and moves the weights as the eager lean pass does, to fp32 rounding."""
     out = {}
     for compiled in ("true", "false"):
-        t = Trainer(_cfg(tmp_path, f"c{compiled}", "steps=1", "eval_before=false",
-                         "task.eval_size=0", "rollout.group_size=4", "optim.lr=1e-2",
-                         "objective.num_minibatches=2", f"compile_layers={compiled}"),
-                    reward_fns=[char_codes]).setup()
+        t, *out[compiled] = _one_step(tmp_path, f"c{compiled}", "objective.num_minibatches=2",
+                                      f"compile_layers={compiled}")
         assert t.logprob_fn.keywords == {"lean": True, "compiled": compiled == "true"}
-        t.train()
-        row = json.loads(open(t.run_dir / "metrics.jsonl").readline())
-        out[compiled] = _weights(t.run_dir, 1), row["objective/seq_ratio_std"]
     assert out["true"][1] == pytest.approx(out["false"][1], rel=1e-3, abs=1e-7)
     for k in out["true"][0]:
         torch.testing.assert_close(out["true"][0][k], out["false"][0][k], rtol=1e-3, atol=1e-4)
