@@ -1,0 +1,96 @@
+"""Two arms of a comparison, seed by seed: held-out accuracy at every evaluation and reward per
+sampled response over step windows, as paired differences.
+
+Run folders are named ``<arm>_s<seed>`` (as ``gspo compare`` names them, or copied into a
+``run_metrics`` folder with ``metrics.jsonl.gz``). Only seeds that both arms ran are paired.
+A paired difference is the mean over seeds of (A − B), ± its standard error (sample standard
+deviation / √n), with the number of seeds on which A is higher:
+
+    python scripts/paired_by_seed.py results/moe_deep128_long/run_metrics gspo grpo \\
+        --windows 1-100,101-200,201-300
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import runpy
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+read_metrics = runpy.run_path(str(Path(__file__).with_name("partial_compare_table.py")),
+                              run_name="not_main")["read_metrics"]
+
+
+def arm_runs(root: Path, arm: str) -> dict[int, list[dict[str, Any]]]:
+    """seed -> metrics rows of ``<arm>_s<seed>`` under ``root``."""
+    out = {}
+    for d in root.iterdir():
+        name, _, seed = d.name.rpartition("_s")
+        if d.is_dir() and name == arm and seed.isdigit():
+            out[int(seed)] = read_metrics(d)
+    return out
+
+
+def evals(rows: list[dict[str, Any]]) -> dict[int, float]:
+    return {int(r["step"]): float(r["eval/accuracy"]) for r in rows if "eval/accuracy" in r}
+
+
+def window_reward(rows: list[dict[str, Any]], lo: int, hi: int) -> float:
+    vals = [r["reward/mean"] for r in rows if lo <= r["step"] <= hi and "reward/mean" in r]
+    return statistics.mean(vals) if vals else float("nan")
+
+
+def paired(a: list[float], b: list[float]) -> tuple[float, float, int]:
+    """(mean of a − b, its standard error, how many a > b)."""
+    d = [x - y for x, y in zip(a, b)]
+    se = statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else float("nan")
+    return statistics.mean(d), se, sum(x > 0 for x in d)
+
+
+def table(root: Path, a: str, b: str, windows: list[tuple[int, int]]) -> list[str]:
+    ra, rb = arm_runs(root, a), arm_runs(root, b)
+    seeds = sorted(set(ra) & set(rb))
+    if not seeds:
+        raise SystemExit(f"no seed that both {a} and {b} ran under {root}")
+    lines = [f"Seeds paired: {', '.join(map(str, seeds))} ({len(seeds)}).", "",
+             f"| quantity | {a} | {b} | {a} − {b} (± s.e.) | seeds {a} higher |",
+             "|---|---|---|---|---|"]
+    ea, eb = ({s: evals(r[s]) for s in seeds} for r in (ra, rb))
+    for step in sorted(set.intersection(*(set(ea[s]) & set(eb[s]) for s in seeds))):
+        x, y = [ea[s][step] for s in seeds], [eb[s][step] for s in seeds]
+        m, se, n = paired(x, y)
+        lines.append(f"| held-out at step {step} | {statistics.mean(x):.1%} | "
+                     f"{statistics.mean(y):.1%} | {100 * m:+.1f} ± {100 * se:.1f} points | "
+                     f"{n} of {len(seeds)} |")
+    for lo, hi in windows:
+        x = [window_reward(ra[s], lo, hi) for s in seeds]
+        y = [window_reward(rb[s], lo, hi) for s in seeds]
+        m, se, n = paired(x, y)
+        lines.append(f"| reward per sampled response, steps {lo}–{hi} | {statistics.mean(x):.3f} | "
+                     f"{statistics.mean(y):.3f} | {m:+.3f} ± {se:.3f} | {n} of {len(seeds)} |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("runs", help="folder holding <arm>_s<seed> run folders")
+    p.add_argument("a", help="arm A")
+    p.add_argument("b", help="arm B")
+    p.add_argument("--windows", default="1-100",
+                   help="step windows for the reward, e.g. 1-100,101-200 (default 1-100)")
+    args = p.parse_args(argv)
+    windows = []
+    for w in args.windows.split(","):
+        lo, sep, hi = w.partition("-")
+        if not (sep and lo.isdigit() and hi.isdigit() and int(lo) <= int(hi)):
+            raise SystemExit(f"--windows: expected LO-HI[,LO-HI...], got {args.windows!r}")
+        windows.append((int(lo), int(hi)))
+    print("\n".join(table(Path(args.runs), args.a, args.b, windows)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

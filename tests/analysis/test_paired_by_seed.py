@@ -1,0 +1,40 @@
+"""scripts/paired_by_seed.py: two arms' evaluations and sampled reward, paired by seed."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import runpy
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "paired_by_seed.py"
+
+
+def _run(folder: Path, acc: list[float], reward: float) -> None:
+    folder.mkdir(parents=True)
+    rows = [{"step": 10 * i, "eval/accuracy": a} for i, a in enumerate(acc)]
+    rows += [{"step": s, "reward/mean": reward} for s in range(1, 21)]
+    (folder / "metrics.jsonl.gz").write_bytes(
+        gzip.compress("".join(json.dumps(r) + "\n" for r in rows).encode()))
+
+
+def test_pairs_only_seeds_both_arms_ran(tmp_path, capsys):
+    for seed, (a, b) in enumerate([(0.6, 0.5), (0.7, 0.4), (0.5, 0.6)]):
+        _run(tmp_path / f"x_s{seed}", [0.5, 0.5, a], reward=0.4 + 0.1 * seed)
+        _run(tmp_path / f"y_s{seed}", [0.5, 0.5, b], reward=0.4)
+    _run(tmp_path / "x_s7", [0.5, 0.5, 0.9], reward=1.0)  # no partner: left out
+    main = runpy.run_path(str(SCRIPT), run_name="not_main")["main"]
+    main([str(tmp_path), "x", "y", "--windows", "1-10,11-20"])
+    out = capsys.readouterr().out
+    assert "Seeds paired: 0, 1, 2 (3)." in out
+    row = next(x for x in out.splitlines() if x.startswith("| held-out at step 20 "))
+    # differences +10, +30, −10 points: mean +10, s.d. 20, s.e. 20/√3 = 11.5
+    assert "| 60.0% | 50.0% | +10.0 ± 11.5 points | 2 of 3 |" in row
+    row = next(x for x in out.splitlines() if "steps 11–20" in x)
+    assert "| 0.500 | 0.400 | +0.100 ± 0.058 | 2 of 3 |" in row
+    with pytest.raises(SystemExit, match="--windows"):
+        main([str(tmp_path), "x", "y", "--windows", "20-10"])
+    with pytest.raises(SystemExit, match="no seed that both x and z ran"):
+        main([str(tmp_path), "x", "z"])
