@@ -205,6 +205,11 @@ def summarize(results: list[dict[str, Any]], warmup: int, flops: dict[str, float
     return out
 
 
+def _ratios(r: dict[str, float], after: str = "") -> str:
+    """Phase ratios as text: ``step 1.59×, rollout 1.56×, …`` (``after`` follows each ×)."""
+    return ", ".join(f"{k.removesuffix('_s')} {v:.2f}×{after}" for k, v in r.items())
+
+
 def table(model: str, summary: dict[str, Any], flops: dict[str, float],
           limit: dict[str, float]) -> tuple[str, list[str]]:
     header = ("| model | arm | threads (total) | s/step | rollout wait s | rest of step s "
@@ -223,27 +228,21 @@ def table(model: str, summary: dict[str, Any], flops: dict[str, float],
                 f"{limit['1']:.1f} GFLOP/s at 1 thread, {limit['2']:.1f} at 2.")
     if "thread_scaling" in summary:
         rows.append("")
-        rows.append("Thread scaling, sync@1 / sync@2 (s): " + ", ".join(
-            f"{k.removesuffix('_s')} {v:.2f}×" for k, v in summary["thread_scaling"].items()))
+        rows.append("Thread scaling, sync@1 / sync@2 (s): " + _ratios(summary["thread_scaling"]))
     if "thread_scaling_blas" in summary:
-        rows.append("Thread scaling, sync-blas@1 / sync-blas@2 (s): " + ", ".join(
-            f"{k.removesuffix('_s')} {v:.2f}×"
-            for k, v in summary["thread_scaling_blas"].items()))
+        rows.append("Thread scaling, sync-blas@1 / sync-blas@2 (s): "
+                    + _ratios(summary["thread_scaling_blas"]))
     for var, what in VARIANTS.items():
         if f"thread_scaling_{var}" in summary:
-            rows.append(f"Thread scaling, sync-{var}@1 / sync-{var}@2 (s): " + ", ".join(
-                f"{k.removesuffix('_s')} {v:.2f}×"
-                for k, v in summary[f"thread_scaling_{var}"].items()))
+            rows.append(f"Thread scaling, sync-{var}@1 / sync-{var}@2 (s): "
+                        + _ratios(summary[f"thread_scaling_{var}"]))
         for t, r in summary.get(f"{var}_over_sync", {}).items():
-            rows.append(f"- {what} vs default {t}: " + ", ".join(
-                f"{k.removesuffix('_s')} {v:.2f}× faster" for k, v in r.items()))
+            rows.append(f"- {what} vs default {t}: " + _ratios(r, " faster"))
     for t, r in summary.get("onednn_over_blas", {}).items():
-        rows.append(f"- oneDNN decode vs blas decode {t}: " + ", ".join(
-            f"{k.removesuffix('_s')} {v:.2f}× faster" for k, v in r.items()))
+        rows.append(f"- oneDNN decode vs blas decode {t}: " + _ratios(r, " faster"))
     if "spin_over_sync@2" in summary:
-        rows.append("- OMP_WAIT_POLICY=ACTIVE vs default @2: " + ", ".join(
-            f"{k.removesuffix('_s')} {v:.2f}× faster"
-            for k, v in summary["spin_over_sync@2"].items()))
+        rows.append("- OMP_WAIT_POLICY=ACTIVE vs default @2: "
+                    + _ratios(summary["spin_over_sync@2"], " faster"))
     for name, r in summary.get("async_vs_bound", {}).items():
         rows.append(f"- {name}: async step / max(rollout, rest) of the sync step = "
                     f"{r['ratio']:.2f} (bound {r['bound_s']:.2f} s); {r['speedup']:.2f}× faster")

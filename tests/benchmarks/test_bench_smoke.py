@@ -190,6 +190,12 @@ def test_thread_scaling_isolated_end_to_end(tmp_path):
     assert {"1", "2"} == set(iso["in_situ"]) and iso["in_situ"]["1"]["op_s"]
 
 
+def _arm(name, step, roll):
+    """One bench_async child's result: one counted step of an arm."""
+    return {"arm": name, "peak_rss_mb": 1.0, "steps": [
+        {"step_s": step, "rollout_s": roll, "response_tokens": 8, "old_logprobs_s": 0.5}]}
+
+
 def test_async_summary_compares_the_spinning_worker_arm():
     """bench_async's sync-spin@2 arm: its child gets OMP_WAIT_POLICY=ACTIVE, and the summary
     states it against sync@2 phase by phase."""
@@ -197,11 +203,7 @@ def test_async_summary_compares_the_spinning_worker_arm():
 
     assert bench_async.ARM_ENV["sync-spin@2"] == {"OMP_WAIT_POLICY": "ACTIVE"}
 
-    def arm(name, step, roll):
-        return {"arm": name, "peak_rss_mb": 1.0, "steps": [
-            {"step_s": step, "rollout_s": roll, "response_tokens": 8, "old_logprobs_s": 0.5}]}
-
-    s = bench_async.summarize([arm("sync@2", 8.0, 2.0), arm("sync-spin@2", 4.0, 1.0)], 0,
+    s = bench_async.summarize([_arm("sync@2", 8.0, 2.0), _arm("sync-spin@2", 4.0, 1.0)], 0,
                               {"total": 1e9}, {"1": 1.0, "2": 2.0})
     assert s["spin_over_sync@2"]["step_s"] == 2.0 and s["spin_over_sync@2"]["rollout_s"] == 2.0
     assert s["arms"]["sync-spin@2"]["threads"] == 2
@@ -214,13 +216,9 @@ def test_async_summary_states_compiled_layers_against_eager():
 
     assert bench_async.ARMS["sync-compile@2"] == ("gspo", 2, 0, ["compile_layers=true"])
 
-    def arm(name, step, roll):
-        return {"arm": name, "peak_rss_mb": 1.0, "steps": [
-            {"step_s": step, "rollout_s": roll, "response_tokens": 8, "old_logprobs_s": 0.5}]}
-
-    s = bench_async.summarize([arm("sync@1", 12.0, 3.0), arm("sync@2", 8.0, 2.0),
-                               arm("sync-compile@1", 10.0, 3.0),
-                               arm("sync-compile@2", 5.0, 2.0)], 0, {"total": 1e9},
+    s = bench_async.summarize([_arm("sync@1", 12.0, 3.0), _arm("sync@2", 8.0, 2.0),
+                               _arm("sync-compile@1", 10.0, 3.0),
+                               _arm("sync-compile@2", 5.0, 2.0)], 0, {"total": 1e9},
                               {"1": 1.0, "2": 2.0})
     assert s["thread_scaling_compile"]["step_s"] == 2.0
     assert s["compile_over_sync"]["@1"]["step_s"] == 1.2
