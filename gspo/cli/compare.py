@@ -19,6 +19,18 @@ def default_name(spec: str) -> str:
     return f"{path.parent.name}_{stem}" if path.parent.name else stem
 
 
+def default_folders(spec: str, *, quick: bool, subset: bool, runs: str = "",
+                    out: str = "") -> tuple[str, str]:
+    """The runs folder and the report folder when ``--runs`` / ``--out`` are not given:
+    ``runs/<name>[_quick]`` and ``results/<name>[_quick]``. A subset of the arms or seeds
+    (``--arms`` / ``--seeds``) reports into ``<runs>/report`` instead: its partial table must
+    not overwrite the whole comparison's report in results/ (several subsets side by side are
+    merged by ``scripts/compare_report.py``)."""
+    name = default_name(spec) + ("_quick" if quick else "")
+    runs = runs or f"runs/{name}"
+    return runs, out or (f"{runs}/report" if subset else f"results/{name}")
+
+
 def cmd_compare(argv: list[str]) -> int:
     p = argparse.ArgumentParser(
         prog="gspo compare", description="run the arms of a comparison file on the same seeds "
@@ -31,7 +43,8 @@ def cmd_compare(argv: list[str]) -> int:
     p.add_argument("--seeds", default="", help="comma-separated seeds (replaces the file's)")
     p.add_argument("--runs", default="", help="run folders (default: runs/<name>[_quick], "
                    "<name> from the file's folder and stem: moe/compare -> moe_compare)")
-    p.add_argument("--out", default="", help="table and plots (default: results/<name>[_quick])")
+    p.add_argument("--out", default="", help="table and plots (default: results/<name>[_quick]; "
+                   "with --arms or --seeds: <runs>/report)")
     ns = p.parse_intermixed_args(argv)
     if "=" in ns.spec:  # only overrides were given
         ns.overrides, ns.spec = [ns.spec, *ns.overrides], p.get_default("spec")
@@ -44,11 +57,10 @@ def cmd_compare(argv: list[str]) -> int:
         raise ConfigError(f"--seeds: expected comma-separated integers, got '{ns.seeds}'") from None
     arms = [a for a in ns.arms.split(",") if a] or None
     spec = load_spec(ns.spec, quick=ns.quick, arms=arms, seeds=seeds)
-    name = default_name(ns.spec) + ("_quick" if ns.quick else "")
-    out = ns.out or f"results/{name}"
+    runs, out = default_folders(ns.spec, quick=ns.quick, subset=bool(arms or seeds),
+                                runs=ns.runs, out=ns.out)
     command = " ".join(["gspo compare", *argv])
-    summary = run_compare(spec, ns.runs or f"runs/{name}", out, ns.overrides,
-                          command=command)
+    summary = run_compare(spec, runs, out, ns.overrides, command=command)
     print(f"results: {out}/results.md ({len(spec.arms)} arms x {len(spec.seeds)} seeds, "
           f"{summary['total_wall_s'] / 60:.1f} min)")
     return 0

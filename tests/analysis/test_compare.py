@@ -144,6 +144,21 @@ def test_compare_default_folders_follow_the_file_name() -> None:
     assert default_name("mine.yaml") == "mine"
 
 
+def test_a_subset_of_arms_or_seeds_does_not_overwrite_the_report_in_results() -> None:
+    from gspo.cli.compare import default_folders
+
+    assert default_folders("moe/compare", quick=False, subset=False) == (
+        "runs/moe_compare", "results/moe_compare")
+    assert default_folders("moe/compare", quick=True, subset=False) == (
+        "runs/moe_compare_quick", "results/moe_compare_quick")
+    assert default_folders("moe/compare", quick=False, subset=True) == (
+        "runs/moe_compare", "runs/moe_compare/report")
+    assert default_folders("moe/compare", quick=False, subset=True, runs="runs/a") == (
+        "runs/a", "runs/a/report")
+    assert default_folders("moe/compare", quick=False, subset=True, out="x") == (
+        "runs/moe_compare", "x")
+
+
 def test_reward_per_second_counts_scored_responses_over_step_time(tmp_path):
     from gspo.analysis.report import _reward_per_second
 
