@@ -15,7 +15,10 @@ benchmark's, configured the same way. Arms (``--arms``), each with its thread co
   ``--warmup`` leaves out, from inductor's on-disk cache after the first child);
   ``sync-thp@1``, ``sync-thp@2``: ``THP_MEM_ALLOC_ENABLE=1`` (PyTorch's CPU allocator aligns
   blocks of ≥ 2 MiB to 2 MiB and asks for transparent huge pages, fewer TLB misses; this host's
-  THP mode is ``madvise``, so nothing else gets them);
+  THP mode is ``madvise``, so nothing else gets them); ``sync-jemalloc@1``, ``sync-jemalloc@2``,
+  ``sync-tcmalloc@1``, ``sync-tcmalloc@2``: every ``malloc`` through jemalloc / tcmalloc
+  (``LD_PRELOAD``; Debian's ``libjemalloc2`` / ``libtcmalloc-minimal4``) instead of glibc's.
+  Every gspo arm also records its kernel (sys) CPU time and minor page faults a step;
 - ``async1@1+1``, ``async2@1+1``: ``rollout.async_steps=1`` / ``2``, the trainer on 1 thread and
   the engine process on 1 (``rollout.async_threads=1``): 2 cores in all; the engine also runs
   the π_old pass (``old_logprobs=recompute`` in the async loop);
@@ -40,6 +43,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from benchmarks.bench_vs_trl import add_step_arguments, run_gspo, run_trl
@@ -60,6 +64,11 @@ ARMS: dict[str, tuple[str, int, int, list[str]]] = {
     # tensors of >= 2 MiB on transparent huge pages (ARM_ENV)
     "sync-thp@1": ("gspo", 1, 0, []),
     "sync-thp@2": ("gspo", 2, 0, []),
+    # every malloc through jemalloc / tcmalloc instead of glibc's (LD_PRELOAD, ARM_ENV)
+    "sync-jemalloc@1": ("gspo", 1, 0, []),
+    "sync-jemalloc@2": ("gspo", 2, 0, []),
+    "sync-tcmalloc@1": ("gspo", 1, 0, []),
+    "sync-tcmalloc@2": ("gspo", 2, 0, []),
     "async1@1+1": ("gspo", 1, 1, ["rollout.async_steps=1", "rollout.async_threads=1"]),
     "async2@1+1": ("gspo", 1, 1, ["rollout.async_steps=2", "rollout.async_threads=1"]),
     "trl@1": ("trl", 1, 0, []),
@@ -67,13 +76,20 @@ ARMS: dict[str, tuple[str, int, int, list[str]]] = {
 }
 
 
+# The allocators the malloc arms preload, and the Debian package that installs each.
+ALLOCATORS = {"jemalloc": ("/usr/lib/x86_64-linux-gnu/libjemalloc.so.2", "libjemalloc2"),
+              "tcmalloc": ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
+                           "libtcmalloc-minimal4")}
 # Environment of an arm's child process, set before torch (and its OpenMP runtime) loads.
-ARM_ENV: dict[str, dict[str, str]] = {"sync-spin@2": {"OMP_WAIT_POLICY": "ACTIVE"},
-                                      "sync-thp@1": {"THP_MEM_ALLOC_ENABLE": "1"},
-                                      "sync-thp@2": {"THP_MEM_ALLOC_ENABLE": "1"}}
+ARM_ENV: dict[str, dict[str, str]] = {
+    "sync-spin@2": {"OMP_WAIT_POLICY": "ACTIVE"},
+    "sync-thp@1": {"THP_MEM_ALLOC_ENABLE": "1"}, "sync-thp@2": {"THP_MEM_ALLOC_ENABLE": "1"},
+    **{f"sync-{name}@{t}": {"LD_PRELOAD": lib} for name, (lib, _) in ALLOCATORS.items()
+       for t in (1, 2)}}
 # Variants of the sync arms compared with sync@1 / sync@2 (sync-<variant>@<threads>): their own
 # thread scaling and their speed against the default at each thread count.
-VARIANTS = {"compile": "compile_layers", "thp": "THP_MEM_ALLOC_ENABLE=1"}
+VARIANTS = {"compile": "compile_layers", "thp": "THP_MEM_ALLOC_ENABLE=1",
+            "jemalloc": "jemalloc (LD_PRELOAD)", "tcmalloc": "tcmalloc (LD_PRELOAD)"}
 
 
 def total_threads(arm: str) -> int:
@@ -120,6 +136,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         torch.set_num_threads(1)
         return {"arm": "flops", "flops": count_step_flops({**spec, "threads": 1})}
     kind, threads, _, overrides = ARMS[spec["arm"]]
+    lib = ARM_ENV.get(spec["arm"], {}).get("LD_PRELOAD")
+    if lib and lib not in Path("/proc/self/maps").read_text():
+        raise RuntimeError(f"{spec['arm']}: {lib} was not preloaded")
     child = {**spec, "threads": threads, "overrides": overrides}
     out = run_trl(child) if kind == "trl" else run_gspo({**child, "arm": "gspo"})
     out["arm"] = spec["arm"]
@@ -166,8 +185,9 @@ def summarize(results: list[dict[str, Any]], warmup: int, flops: dict[str, float
              "response_tokens": median([s["response_tokens"] for s in steps]),
              "peak_rss_mb": max(r["peak_rss_mb"] for r in results if r["arm"] == arm),
              "n_steps": len(steps)}
-        if "old_logprobs_s" in steps[0]:
-            s["old_logprobs_s"] = median([x["old_logprobs_s"] for x in steps])
+        for key in ("old_logprobs_s", "sys_cpu_s", "minor_faults"):
+            if key in steps[0]:
+                s[key] = median([x[key] for x in steps])
         s["gflops"] = flops["total"] / s["step_s"] / 1e9
         s["frac_of_limit"] = s["gflops"] / limit[str(cores)]  # every arm uses 1 or 2 cores
         arms[arm] = s
@@ -226,6 +246,10 @@ def table(model: str, summary: dict[str, Any], flops: dict[str, float],
                 f"(rollout {flops['rollout'] / 1e9:.0f}, π_old {flops['old_logprobs'] / 1e9:.0f}, "
                 f"update {flops['update'] / 1e9:.0f}). FLOP limit (best torch.mm): "
                 f"{limit['1']:.1f} GFLOP/s at 1 thread, {limit['2']:.1f} at 2.")
+    kernel = [f"{arm} {s['sys_cpu_s']:.2f} s, {s['minor_faults']:.0f}"
+              for arm, s in summary["arms"].items() if "minor_faults" in s]
+    if kernel:  # the allocator's cost shows as page faults and kernel time
+        rows.append("Kernel time and minor page faults a step (medians): " + "; ".join(kernel))
     if "thread_scaling" in summary:
         rows.append("")
         rows.append("Thread scaling, sync@1 / sync@2 (s): " + _ratios(summary["thread_scaling"]))
@@ -267,6 +291,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for arm in arms:
         if arm not in ARMS:
             raise SystemExit(f"--arms: unknown arm '{arm}' (known: {', '.join(ARMS)})")
+        for name, (lib, package) in ALLOCATORS.items():
+            if arm.startswith(f"sync-{name}@") and not Path(lib).is_file():
+                raise SystemExit(f"--arms {arm}: {lib} is missing (apt-get install {package})")
     spec = {k: getattr(a, k) for k in ("model", "prompts_per_step", "group_size",
                                        "max_new_tokens", "minibatches", "temperature", "lr",
                                        "steps", "seed")}

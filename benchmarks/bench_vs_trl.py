@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import sys
 import tempfile
 import time
@@ -132,14 +133,18 @@ def run_gspo(spec: dict[str, Any]) -> dict[str, Any]:
         trainer.old_logprobs = _timed(trainer.old_logprobs, old_t)
         steps = []
         for k in range(spec["steps"]):
+            r0 = resource.getrusage(resource.RUSAGE_SELF)
             w0, c0 = now()
             m = trainer.train_step()
             w1, c1 = now()
+            r1 = resource.getrusage(resource.RUSAGE_SELF)
             trainer.step += 1
             old = old_t.pop() if old_t else (0.0, 0.0)  # (0, 0): the step skipped the pass
             steps.append(_step(w1 - w0, c1 - c0, rollout_t[k], m["rollout/response_len_mean"] * n,
                                m["perf/update_tokens_per_s"] * m["time/update_s"],
-                               old_logprobs_s=old[0], old_logprobs_cpu_s=old[1]))
+                               old_logprobs_s=old[0], old_logprobs_cpu_s=old[1],
+                               sys_cpu_s=r1.ru_stime - r0.ru_stime,
+                               minor_faults=float(r1.ru_minflt - r0.ru_minflt)))
         trainer.cleanup()  # the engine (and an async engine's process)
     return {"arm": spec["arm"], "steps": steps}
 
