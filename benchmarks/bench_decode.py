@@ -64,12 +64,12 @@ def lean_step_s(model: Any, batch: int, context: int, reps: int) -> float | None
     """The same step through :class:`DenseDecoder` as the sampler runs it (cache with room
     reserved, inference mode where safe); None for models it does not cover."""
     from gspo.models.decode import DenseDecoder, unsupported
-    from gspo.models.lean_forward import inference_safe
+    from gspo.models.lean_forward import inference_safe, no_autograd
     from gspo.rollout.sampler import _reserve
 
     if unsupported(model) is not None:
         return None
-    with torch.inference_mode(inference_safe(model)):
+    with no_autograd(inference_safe(model)):
         ids = torch.randint(3, model.config.vocab_size, (batch, context))
         mask = torch.ones_like(ids)
         out = model(input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1)

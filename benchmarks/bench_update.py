@@ -95,7 +95,7 @@ def update_phase(model: Any, optimizer: Any, batch: dict[str, torch.Tensor], *, 
     """π_old pass + policy_update, as Trainer.train_step runs them (fp32, GSPO, β = 0): the
     π_old pass covers the rows outside the first minibatch, whose own forward gives the rest."""
     from gspo.config import ObjectiveConfig
-    from gspo.models.lean_forward import inference_safe
+    from gspo.models.lean_forward import inference_safe, no_autograd
     from gspo.objectives import objective_from_config
     from gspo.trainer.update import UpdateBatch, plan_update, policy_update
 
@@ -109,7 +109,7 @@ def update_phase(model: Any, optimizer: Any, batch: dict[str, torch.Tensor], *, 
     width = int(batch["attention_mask"][rest].sum(-1).max())
     cols = [batch[k][rest, :width] for k in ("input_ids", "attention_mask", "response_mask")]
     model.eval()
-    with torch.no_grad(), torch.inference_mode(inference):
+    with no_autograd(inference):
         lp, _ = logprobs_fn(model, *cols, with_entropy=True)
     old[rest, :width] = lp
     adv = torch.randn(n, generator=torch.Generator().manual_seed(seed))

@@ -20,6 +20,7 @@ matters under training (gradient checkpointing, attention dropout); everything e
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import shutil
@@ -48,6 +49,14 @@ def inference_safe(model: Any) -> bool:
     by an inference tensor, which in-place writes outside inference mode (DDP's buffer
     broadcast) then refuse."""
     return not rope_adapts(model.model.rotary_emb)
+
+
+def no_autograd(inference: bool) -> contextlib.AbstractContextManager:
+    """``torch.inference_mode()`` when ``inference`` (see :func:`inference_safe`), else
+    ``torch.no_grad()``. Not ``torch.inference_mode(inference)``: ``inference_mode(False)``
+    turns gradient recording back *on*, even inside ``no_grad``, so every forward under it
+    would build an autograd graph that nothing reads."""
+    return torch.inference_mode() if inference else torch.no_grad()
 
 
 def key_bias(key_mask: torch.Tensor, queries: int, dtype: torch.dtype) -> torch.Tensor:

@@ -28,7 +28,7 @@ import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from gspo.models.decode import DenseDecoder, packable, packing_pays, unsupported
-from gspo.models.lean_forward import inference_safe, key_bias, lean_hidden
+from gspo.models.lean_forward import inference_safe, key_bias, lean_hidden, no_autograd
 from gspo.models.moe import capture_routing, router_modules
 from gspo.rollout.batch import Rollout
 
@@ -274,7 +274,7 @@ def generate(model: Any, prompts: list[list[int]], *, group_size: int, params: S
             decode_matmul == "auto" and packable(model) is None and packing_pays(model)))
         # The fast path runs in inference mode (no autograd bookkeeping on any tensor: a tiny
         # model's decode step 0.81 -> 0.67 ms); what it returns is copied out of it below.
-        with torch.inference_mode(lean and inference_safe(model)):
+        with no_autograd(lean and inference_safe(model)):
             roll = _generate(model, prompts, ids, mask, positions, group_size, params, eos,
                              generator, greedy, log, lean, packed)
     finally:

@@ -28,7 +28,12 @@ from gspo.config import ConfigError, TrainConfig, to_dict, validate
 from gspo.data import build_task, format_prompt
 from gspo.data.hf import task_from_records
 from gspo.models import load_model, token_logprobs
-from gspo.models.lean_forward import compile_unsupported, inference_safe, lean_unsupported
+from gspo.models.lean_forward import (
+    compile_unsupported,
+    inference_safe,
+    lean_unsupported,
+    no_autograd,
+)
 from gspo.models.lora import apply_lora, is_peft, reference_logprobs
 from gspo.models.packing import shared_prefix_logprobs
 from gspo.models.tokens import eos_ids
@@ -488,7 +493,7 @@ class Trainer:
             if cols["input_ids"].numel():
                 # lean passes run in inference mode (less per-op work); their results are
                 # copied out of it below, into tensors autograd may use
-                with torch.inference_mode(self.inference):
+                with no_autograd(self.inference):
                     lp, ent = self.dist.forward(self.model, self.logprob_fn,
                                                 cols["input_ids"], cols["attention_mask"],
                                                 cols["response_mask"],

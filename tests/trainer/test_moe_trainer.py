@@ -147,3 +147,30 @@ def test_r3_with_an_engine_that_cannot_record_is_an_error(tmp_path):
                              "rollout.engine=vllm", f"output_dir={tmp_path}"])
     with pytest.raises(ConfigError, match=r"rollout\.engine=vllm cannot return"):
         Trainer(cfg, reward_fns=[first_char_digit]).setup()
+
+
+def test_rollout_and_old_pass_of_an_moe_policy_record_no_autograd_graph(tmp_path):
+    """Sampling and the π_old pass of a policy the lean passes do not cover run under no_grad:
+    ``torch.inference_mode(False)`` would switch gradient recording back on inside it, and
+    every layer's output would carry a graph that nothing reads (time and memory)."""
+    import torch
+
+    cfg = load_config(None, [
+        "model=tiny:qwen3_moe", f"output_dir={tmp_path}", "run_name=graph", "progress=false",
+        "rollout.max_new_tokens=4", "rollout.prompts_per_step=2", "rollout.group_size=2",
+        "task.eval_size=0", "eval_before=false"])
+    trainer = Trainer(cfg, reward_fns=[first_char_digit]).setup()
+    assert not trainer.inference  # the path under test: no inference mode for this model
+    seen = []
+    trainer.model.model.layers[0].register_forward_hook(
+        lambda _m, _i, out: seen.append((torch.is_grad_enabled(), out[0].requires_grad
+                                         if isinstance(out, tuple) else out.requires_grad)))
+    _, roll = trainer.rollout()
+    assert seen and not any(a or b for a, b in seen)
+    seen.clear()
+    from gspo.rollout import pad_batch
+
+    batch = pad_batch(roll.prompt_ids, roll.response_ids, trainer.pad_id)
+    lp, ent, routing = trainer.old_logprobs(batch)
+    assert seen and not any(a or b for a, b in seen)
+    assert not lp.requires_grad and not ent.requires_grad and routing is not None
