@@ -142,7 +142,7 @@ class RolloutConfig:
     async_steps: int = _f(
         0, "k > 0: the engine samples in its own process up to k steps ahead, step t's batch "
         "from the policy after max(0, t-k) updates (staleness <= k; engine=hf, one process, "
-        "dense policy); 0: rollout and update in sequence (see gspo.trainer.async_rollout)")
+        "no LoRA); 0: rollout and update in sequence (see gspo.trainer.async_rollout)")
     async_threads: int = _f(1, "async_steps > 0: torch threads of the engine process (the "
                             "trainer keeps num_threads; on 2 cores use num_threads=1)")
 

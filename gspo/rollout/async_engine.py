@@ -28,6 +28,7 @@ Only engines that sample from the module they are given (``shares_policy_weights
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import queue
@@ -40,6 +41,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+from gspo.models.moe import capture_routing
 from gspo.rollout.batch import Rollout, pad_batch
 from gspo.rollout.engine import EngineOptions, build_engine
 from gspo.rollout.sampler import SamplingParams
@@ -147,20 +149,35 @@ class Request:
 @dataclass(frozen=True)
 class Recompute:
     """The trainer's log-prob pass, for the engine process: ``fn(model, ids, attention,
-    response_mask, temperature=, chunk=)`` (e.g. the trainer's ``logprob_fn``)."""
+    response_mask, temperature=, chunk=)`` (e.g. the trainer's ``logprob_fn``). ``routing``
+    (MoE policies): also record the experts the pass chose (what R2 replays)."""
 
     fn: Callable[..., Any]
     temperature: float
     chunk: int
     pad_id: int
+    routing: bool = False
 
 
-def _encode(roll: Rollout, trainer_lp: list[list[float]] | None, version: int,
+def _encode_routing(routing: list[torch.Tensor] | None) -> list[list[Any]] | None:
+    """Per MoE layer ``[N * T, k]`` expert indices as JSON-able ``[k, flat list]``."""
+    return None if routing is None else [[r.shape[-1], r.reshape(-1).tolist()] for r in routing]
+
+
+def _decode_routing(enc: list[list[Any]] | None) -> list[torch.Tensor] | None:
+    if enc is None:
+        return None
+    return [torch.tensor(flat, dtype=torch.long).view(-1, k) for k, flat in enc]
+
+
+def _encode(roll: Rollout, trainer_lp: list[list[float]] | None,
+            trainer_routing: list[torch.Tensor] | None, version: int,
             seconds: float) -> dict[str, Any]:
     return {"prompt_ids": roll.prompt_ids, "response_ids": roll.response_ids,
             "logprobs": [lp.tolist() for lp in roll.logprobs], "truncated": roll.truncated,
             "group_size": roll.group_size, "versions": [version] * len(roll),
-            "trainer_logprobs": trainer_lp, "generate_s": seconds}
+            "trainer_logprobs": trainer_lp, "routing": _encode_routing(roll.routing),
+            "trainer_routing": _encode_routing(trainer_routing), "generate_s": seconds}
 
 
 def decode(d: dict[str, Any]) -> Rollout:
@@ -168,23 +185,29 @@ def decode(d: dict[str, Any]) -> Rollout:
     f32 = lambda xs: [torch.tensor(x, dtype=torch.float32) for x in xs]  # noqa: E731
     tlp = d.get("trainer_logprobs")
     return Rollout(d["prompt_ids"], d["response_ids"], f32(d["logprobs"]), d["truncated"],
-                   d["group_size"], versions=d["versions"],
-                   trainer_logprobs=None if tlp is None else f32(tlp))
+                   d["group_size"], _decode_routing(d.get("routing")), versions=d["versions"],
+                   trainer_logprobs=None if tlp is None else f32(tlp),
+                   trainer_routing=_decode_routing(d.get("trainer_routing")))
 
 
 @torch.no_grad()
-def _trainer_logprobs(model: Any, roll: Rollout, rc: Recompute) -> list[list[float]]:
+def _trainer_logprobs(model: Any, roll: Rollout, rc: Recompute
+                      ) -> tuple[list[list[float]], list[torch.Tensor] | None]:
+    """The trainer's pass on ``roll`` (its response tokens' log-probs per row) and, with
+    ``rc.routing``, the experts it chose at every position (pad_batch layout, as the trainer's
+    own π_old pass records them)."""
     dev = next(model.parameters()).device
     padded = {k: v.to(dev) for k, v in pad_batch(roll.prompt_ids, roll.response_ids,
                                                     rc.pad_id).items()}
-    with torch.inference_mode():
+    record = capture_routing(model) if rc.routing else contextlib.nullcontext(None)
+    with record as rec, torch.inference_mode():
         lp = rc.fn(model, padded["input_ids"], padded["attention_mask"],
                    padded["response_mask"], temperature=rc.temperature, chunk=rc.chunk)[0]
     lp = lp.cpu()
     out = []
     for i, (p, r) in enumerate(zip(roll.prompt_ids, roll.response_ids)):
         out.append(lp[i, len(p):len(p) + len(r)].tolist())
-    return out
+    return out, (rec.take() if rec is not None else None)
 
 
 def _next_request(requests: Any) -> Request | None:
@@ -247,10 +270,11 @@ def _engine_main(skeleton: bytes, entries: list[_Entry], slots: list[dict[str, t
                 on_device.load(slots[slot], req.version)
             roll = engines[slot].generate(req.prompts, group_size=req.group_size,
                                           params=req.params, seeds=req.seeds)
-            tlp = _trainer_logprobs(models[slot], roll, recompute) if req.recompute else None
+            tlp, routing = (_trainer_logprobs(models[slot], roll, recompute) if req.recompute
+                            else (None, None))
             if int(slot_versions[slot]) != req.version:  # overwritten while sampling
                 raise RuntimeError(f"slot {slot} was overwritten while sampling step {req.step}")
-            results.put(("batch", (req.step, _encode(roll, tlp, req.version,
+            results.put(("batch", (req.step, _encode(roll, tlp, routing, req.version,
                                                      time.perf_counter() - start))))
     except BaseException:  # the trainer raises it with this text (see AsyncEngine.take)
         results.put(("error", traceback.format_exc()))

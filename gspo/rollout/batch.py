@@ -35,22 +35,30 @@ class Rollout:
     # log-prob pass (on the steps it was asked for), to tell staleness from engine mismatch.
     versions: list[int] | None = None
     trainer_logprobs: list[torch.Tensor] | None = None
+    # and (MoE policies) the experts that pass chose, in ``routing``'s layout: π_old's routing
+    # when π_old is the behaviour policy (what R2 replays then)
+    trainer_routing: list[torch.Tensor] | None = None
 
     def __len__(self) -> int:
         return len(self.response_ids)
 
+    def _select_routing(self, routing: list[torch.Tensor] | None, idx: list[int]
+                        ) -> list[torch.Tensor] | None:
+        """The selected rows of a pad_batch-layout routing, re-cut to their own padded length."""
+        if routing is None:
+            return None
+        width = routing[0].shape[0] // max(len(self), 1)
+        t = max((len(self.prompt_ids[i]) + len(self.response_ids[i]) for i in idx), default=0)
+        return [r.view(len(self), width, -1)[idx, :t].reshape(-1, r.shape[-1]) for r in routing]
+
     def select(self, idx: list[int]) -> Rollout:
-        routing = None
-        if self.routing is not None:  # the selected rows, re-cut to their own padded length
-            width = self.routing[0].shape[0] // max(len(self), 1)
-            t = max((len(self.prompt_ids[i]) + len(self.response_ids[i]) for i in idx), default=0)
-            routing = [r.view(len(self), width, -1)[idx, :t].reshape(-1, r.shape[-1])
-                       for r in self.routing]
         pick = lambda xs: None if xs is None else [xs[i] for i in idx]  # noqa: E731
         return Rollout([self.prompt_ids[i] for i in idx], [self.response_ids[i] for i in idx],
                        [self.logprobs[i] for i in idx], [self.truncated[i] for i in idx],
-                       self.group_size, routing, model_mask=pick(self.model_mask),
-                       versions=pick(self.versions), trainer_logprobs=pick(self.trainer_logprobs))
+                       self.group_size, self._select_routing(self.routing, idx),
+                       model_mask=pick(self.model_mask), versions=pick(self.versions),
+                       trainer_logprobs=pick(self.trainer_logprobs),
+                       trainer_routing=self._select_routing(self.trainer_routing, idx))
 
 
 def pad_batch(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int,

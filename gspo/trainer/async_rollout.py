@@ -21,7 +21,9 @@ name the policy that sampled, which is then the current one). Metrics (``async/*
 staleness of the rows; the staleness drift log π_v − log π_t (trainer passes on the behaviour
 and on the current weights: the change of the policy between sampling and this step), kept
 apart from the engine mismatch log π_engine,v − log π_trainer,v (same weights, different
-code) and from the policy drift of the update itself.
+code) and from the policy drift of the update itself. For an MoE policy the engine process's
+pass also records the experts the behaviour policy chose (``Rollout.trainer_routing``): π_old's
+routing, which R2 replays; :func:`staleness_routing_metrics` measures how far staleness moved it.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import torch
 
 from gspo.config import ConfigError
 from gspo.data.base import Example
+from gspo.models.moe import expert_change, routing_change
 from gspo.rollout.async_engine import AsyncEngine, Recompute, Request, decode
 from gspo.rollout.batch import Rollout
 from gspo.rollout.engine import EngineOptions
@@ -53,15 +56,17 @@ class AsyncRollout:
                  draw: Callable[[int], tuple[list[Example], Request]],
                  check: Callable[[int], bool], engine: str, opts: EngineOptions, threads: int,
                  logprob_fn: Callable[..., Any], temperature: float, chunk: int,
-                 pad_id: int, device: torch.device | None = None) -> None:
+                 pad_id: int, device: torch.device | None = None,
+                 routing: bool = False) -> None:
         """``draw(step)``: the step's prompts from the task (called once per step, in order);
         ``check(step)``: whether the engine process also runs the trainer's log-prob pass on
         that step's batch (every step for ``old_logprobs=recompute``). ``device``: where the
-        engine process samples (the trainer's device; default the CPU)."""
+        engine process samples (the trainer's device; default the CPU). ``routing`` (MoE
+        policies): that pass also records its expert choices (``Rollout.trainer_routing``)."""
         self.k, self.total, self.draw, self.check = k, total_steps, draw, check
         self.engine_name, self.opts, self.threads = engine, opts, threads
         self.device = device if device is not None else torch.device("cpu")
-        self.recompute = Recompute(logprob_fn, temperature, chunk, pad_id)
+        self.recompute = Recompute(logprob_fn, temperature, chunk, pad_id, routing)
         self.engine: AsyncEngine | None = None
         self.submitted = 0  # batches 0 … submitted-1 have been drawn and asked for
         self.inflight: dict[int, list[Example]] = {}
@@ -129,6 +134,23 @@ class AsyncRollout:
 
 def _row_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum(1) / mask.sum(1).clamp(min=1)
+
+
+def staleness_routing_metrics(behaviour: list[torch.Tensor] | None,
+                              current: list[torch.Tensor], mask: torch.Tensor
+                              ) -> dict[str, float]:
+    """How far staleness moved an MoE policy's routing: over the response tokens, the share of
+    (token, layer) whose expert set differs between the behaviour policy's pass
+    (``behaviour``, per layer ``[N, k]``) and this step's (``current``), and the share of the
+    behaviour policy's experts replaced (``async/staleness_{routing,expert}_change``)."""
+    if behaviour is None:
+        return {}
+    w = mask.reshape(-1).cpu()
+    return {"async/staleness_routing_change":
+            float(routing_change(behaviour, current, w)["overall"]),
+            "async/staleness_expert_change":
+            float(expert_change([b.cpu() for b in behaviour], [c.cpu() for c in current],
+                                w).mean())}
 
 
 def drift_metrics(engine_lp: torch.Tensor, behaviour_lp: torch.Tensor | None,

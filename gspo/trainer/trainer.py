@@ -52,7 +52,11 @@ from gspo.rollout.async_engine import Request
 from gspo.rollout.engine import weights_for_rollout
 from gspo.rollout.multiturn import TurnLoop, engine_sampler
 from gspo.trainer import distributed
-from gspo.trainer.async_rollout import AsyncRollout, drift_metrics
+from gspo.trainer.async_rollout import (
+    AsyncRollout,
+    drift_metrics,
+    staleness_routing_metrics,
+)
 from gspo.trainer.checkpoint import (
     cuda_rng_state,
     extra_rng_state,
@@ -299,18 +303,29 @@ class Trainer:
 
     def _pipeline(self, k: int) -> AsyncRollout:
         cfg = self.cfg
-        if self.dist.enabled or self.hooks.active or cfg.lora.r:
-            raise ConfigError("rollout.async_steps > 0 needs one process and a dense, fully "
-                              "fine-tuned policy for now (no torchrun, MoE routing hooks, LoRA)")
+        if self.dist.enabled or cfg.lora.r:
+            raise ConfigError("rollout.async_steps > 0 needs one process and a fully "
+                              "fine-tuned policy for now (no torchrun, no LoRA)")
         every = cfg.logging.rollout_check_every
-        recompute = cfg.objective.old_logprobs == "recompute"
+        # The engine process runs the trainer's pass on the behaviour weights: π_old for
+        # recompute, and for an MoE policy π_old's routing (unless π_old is the proximal policy)
+        behaviour_pass = (cfg.objective.old_logprobs == "recompute"
+                          or self._behaviour_routing())
         return AsyncRollout(
             k=k, total_steps=cfg.steps, draw=self._request,
-            check=lambda step: recompute or (every > 0 and step % every == 0),
+            check=lambda step: behaviour_pass or (every > 0 and step % every == 0),
             engine=cfg.rollout.engine, opts=self.engine_opts,
             threads=cfg.rollout.async_threads, logprob_fn=self.logprob_fn,
             temperature=cfg.rollout.temperature, chunk=cfg.logprob_chunk, pad_id=self.pad_id,
-            device=self.dist.device)
+            device=self.dist.device, routing=self.hooks.active)
+
+    def _behaviour_routing(self) -> bool:
+        """Whether π_old's expert choices (what R2 replays, what ``moe/routing_change``
+        compares with) are the behaviour policy's, recorded by the engine process's pass:
+        an MoE policy in the async loop whose π_old is the behaviour policy (``recompute``,
+        ``rollout``); with ``decoupled`` π_old is this step's weights, recorded here."""
+        return (self.hooks.active and self.cfg.rollout.async_steps > 0
+                and self.cfg.objective.old_logprobs != "decoupled")
 
     def _resume_checkpoint(self) -> Path | None:
         if not self.cfg.resume:
@@ -533,7 +548,7 @@ class Trainer:
         and for MoE policies (their routing), else every ``logging.rollout_check_every`` steps
         (async: only then, and it measures the staleness drift)."""
         every = self.cfg.logging.rollout_check_every
-        return (self._old_is_current() or self.hooks.active
+        return (self._old_is_current() or (self.hooks.active and not self._behaviour_routing())
                 or (every > 0 and self.step % every == 0))
 
     def update_batch(self, roll: Rollout, adv: torch.Tensor, plan: UpdatePlan
@@ -548,7 +563,13 @@ class Trainer:
         if self._recompute_old():
             old.recomputed, old.entropy, routing = self.old_logprobs(
                 padded, plan.old_pass_rows(len(roll)))
-        routing, old.routing_metrics = self.hooks.rollout_routing(roll, routing, self.dist)
+        if self._behaviour_routing():  # π_old is the behaviour policy: its experts
+            if routing is not None:  # this step's own choices too: how far staleness moved them
+                old.routing_metrics = staleness_routing_metrics(
+                    roll.trainer_routing, routing, padded["response_mask"])
+            routing = roll.trainer_routing
+        routing, replayed = self.hooks.rollout_routing(roll, routing, self.dist)
+        old.routing_metrics.update(replayed)
         # recompute / decoupled: the trainer's π_old; rollout (§5.4): the engine's. Only a
         # behaviour correction (decoupled, or rollout with one) sees π_rollout in the loss.
         o = self.cfg.objective.old_logprobs

@@ -26,10 +26,17 @@ from gspo.rollout.async_engine import (
     _named_tensors,
     _skeleton,
     _views,
+    decode,
 )
+from gspo.rollout.batch import Rollout
 from gspo.rollout.engine import EngineOptions
 from gspo.trainer import Trainer
-from gspo.trainer.async_rollout import AsyncRollout, behaviour_version, drift_metrics
+from gspo.trainer.async_rollout import (
+    AsyncRollout,
+    behaviour_version,
+    drift_metrics,
+    staleness_routing_metrics,
+)
 
 
 def char_codes(prompts, completions, **_):
@@ -127,7 +134,7 @@ class InlineEngine:
         eng = build_engine("hf", m, self.tokenizer, EngineOptions())
         roll = eng.generate(req.prompts, group_size=req.group_size, params=req.params,
                             seeds=req.seeds)
-        return req.step, _encode(roll, None, req.version, 0.0)
+        return req.step, _encode(roll, None, None, req.version, 0.0)
 
     def close(self):
         pass
@@ -186,6 +193,41 @@ def test_drift_metrics_on_a_hand_case():
     assert "async/staleness_drift_mean" not in drift_metrics(engine, None, current, mask)
 
 
+def test_moe_routing_travels_from_the_engine_and_through_checkpoints():
+    """The rollout's routing (R3) and the behaviour pass's (R2) survive the transport and a
+    checkpoint's JSON exactly, and row selection re-cuts both."""
+    g = torch.Generator().manual_seed(0)
+    prompts, responses = [[1, 2], [3]], [[4, 5, 6], [7]]
+    width, k = 5, 2  # max(len(prompt) + len(response))
+    routing = [torch.randint(-1, 8, (2 * width, k), generator=g) for _ in range(3)]
+    behaviour = [torch.randint(0, 8, (2 * width, k), generator=g) for _ in range(3)]
+    roll = Rollout(prompts, responses, [torch.zeros(3), torch.zeros(1)], [False, True], 2,
+                   routing)
+    enc = json.loads(json.dumps(_encode(roll, [[0.0] * 3, [0.0]], behaviour, 4, 0.5)))
+    back = decode(enc)
+    assert all(torch.equal(a, b) for a, b in zip(back.routing, routing))
+    assert all(torch.equal(a, b) for a, b in zip(back.trainer_routing, behaviour))
+    assert back.versions == [4, 4]
+    one = back.select([1])  # row 1 alone: its own padded length, 2
+    assert one.trainer_routing[0].shape == (2, k)
+    assert torch.equal(one.trainer_routing[2], behaviour[2].view(2, width, k)[1, :2])
+    assert torch.equal(one.routing[0], routing[0].view(2, width, k)[1, :2])
+    dense = decode(json.loads(json.dumps(_encode(roll, None, None, 0, 0.0))))
+    assert dense.trainer_routing is None
+
+
+def test_staleness_routing_metrics_on_a_hand_case():
+    mask = torch.tensor([[0.0, 1.0, 1.0], [0.0, 1.0, 0.0]])  # 3 response tokens
+    behaviour = [torch.tensor([[0, 1], [0, 1], [2, 3], [0, 1], [4, 5], [6, 7]])]
+    current = [torch.tensor([[5, 6], [1, 0], [2, 7], [0, 1], [0, 1], [0, 1]])]
+    m = staleness_routing_metrics(behaviour, current, mask)
+    # response tokens 1 (same set, reordered), 2 (one of two replaced), 4 (both replaced);
+    # tokens 0, 3 and 5 are prompt or padding
+    assert m["async/staleness_routing_change"] == pytest.approx(2 / 3)
+    assert m["async/staleness_expert_change"] == pytest.approx((0 + 0.5 + 1) / 3)
+    assert staleness_routing_metrics(None, current, mask) == {}
+
+
 # ----------------------------------------------------------------------------- slow lane
 
 
@@ -209,6 +251,55 @@ def test_zero_staleness_pipeline_matches_the_sync_loop_bit_for_bit(tmp_path, mon
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert [r["train/loss"] for r in _rows(sync)] == [r["train/loss"] for r in _rows(pipe)]
     assert all(r["async/staleness_max"] == 0 for r in _rows(pipe))
+
+
+@pytest.mark.slow
+def test_zero_staleness_moe_pipeline_with_r2_matches_the_sync_loop_bit_for_bit(tmp_path,
+                                                                              monkeypatch):
+    """An MoE policy with Routing Replay R2: π_old and the experts it chose come from the
+    engine process's pass on the behaviour weights; with zero staleness that pass must give
+    what the synchronous loop's own π_old pass gives, so the weights agree bit for bit."""
+    extra = ["model=tiny:qwen3_moe", "steps=3", "logging.rollout_check_every=0",
+             "moe.routing_replay=r2", "objective.name=grpo", "objective.eps_low=0.2",
+             "objective.eps_high=0.27"]
+    sync = Trainer(_cfg(tmp_path, "sync", *extra), reward_fns=[char_codes]).setup()
+    sync.train()
+    monkeypatch.setattr(Trainer, "_async_rollout", lambda self, k: self._pipeline(0))
+    monkeypatch.setattr(Trainer, "_behaviour_routing", lambda self: True)  # k = 0 here
+    pipe = Trainer(_cfg(tmp_path, "pipe", *extra), reward_fns=[char_codes]).setup()
+    try:
+        pipe.train()
+    finally:
+        pipe.cleanup()
+    a, b = (load_file(t.run_dir / "checkpoints/step_000003/model.safetensors")
+            for t in (sync, pipe))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    rows_sync, rows_pipe = _rows(sync), _rows(pipe)
+    assert [r["train/loss"] for r in rows_sync] == [r["train/loss"] for r in rows_pipe]
+    assert [r["moe/routing_change"] for r in rows_sync] == [
+        r["moe/routing_change"] for r in rows_pipe]
+    assert any(r["moe/routing_change"] > 0 for r in rows_pipe)  # the weights did move
+
+
+@pytest.mark.slow
+def test_k2_moe_run_replays_the_behaviour_policys_experts(tmp_path):
+    """R3 under staleness: the engine process records the sampled rows' experts and the
+    behaviour pass's; the same fp32 code on the same weights chose the same experts
+    (mismatch 0), while the current policy's experts have moved away from them."""
+    trainer = Trainer(_cfg(tmp_path, "k2-moe", "model=tiny:qwen3_moe", "steps=4",
+                           "rollout.async_steps=2", "moe.routing_replay=r3",
+                           "objective.name=grpo", "objective.eps_low=0.2",
+                           "objective.eps_high=0.27"), reward_fns=[char_codes]).setup()
+    try:
+        trainer.train()
+    finally:
+        trainer.cleanup()
+    rows = _rows(trainer)
+    assert [r["async/staleness_max"] for r in rows] == [0, 1, 2, 2]
+    assert all(r["moe/rollout_routing_mismatch"] == 0.0 for r in rows)
+    assert rows[0]["async/staleness_routing_change"] == 0.0  # version 0 sampled step 0
+    assert rows[-1]["async/staleness_routing_change"] > 0
+    assert all("moe/routing_change_layer0" in r for r in rows)
 
 
 @pytest.mark.slow
