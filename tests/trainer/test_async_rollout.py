@@ -237,35 +237,19 @@ def test_zero_staleness_pipeline_matches_the_sync_loop_bit_for_bit(tmp_path, mon
     k = 0 (not reachable from the config, which runs the plain loop then) the weights after
     3 steps equal the synchronous loop's exactly. π_old = the rollout's log-probs in both, so
     no trainer pass whose batch shape differs between the two enters the update."""
-    extra = ["steps=3", "objective.old_logprobs=rollout", "logging.rollout_check_every=0"]
+    _, rows_pipe = _sync_and_zero_staleness_pipeline(
+        tmp_path, monkeypatch, "objective.old_logprobs=rollout")
+    assert all(r["async/staleness_max"] == 0 for r in rows_pipe)
+
+
+def _sync_and_zero_staleness_pipeline(tmp_path, monkeypatch, *extra):
+    """3 steps of the synchronous loop and of the engine-process pipeline at k = 0 (not
+    reachable from the config, which runs the plain loop then); asserts equal weights and
+    losses, returns both runs' metrics rows."""
+    extra = ["steps=3", "logging.rollout_check_every=0", *extra]
     sync = Trainer(_cfg(tmp_path, "sync", *extra), reward_fns=[char_codes]).setup()
     sync.train()
     monkeypatch.setattr(Trainer, "_async_rollout", lambda self, k: self._pipeline(0))
-    pipe = Trainer(_cfg(tmp_path, "pipe", *extra), reward_fns=[char_codes]).setup()
-    try:
-        pipe.train()
-    finally:
-        pipe.cleanup()
-    a, b = (load_file(t.run_dir / "checkpoints/step_000003/model.safetensors")
-            for t in (sync, pipe))
-    assert all(torch.equal(a[k], b[k]) for k in a)
-    assert [r["train/loss"] for r in _rows(sync)] == [r["train/loss"] for r in _rows(pipe)]
-    assert all(r["async/staleness_max"] == 0 for r in _rows(pipe))
-
-
-@pytest.mark.slow
-def test_zero_staleness_moe_pipeline_with_r2_matches_the_sync_loop_bit_for_bit(tmp_path,
-                                                                              monkeypatch):
-    """An MoE policy with Routing Replay R2: π_old and the experts it chose come from the
-    engine process's pass on the behaviour weights; with zero staleness that pass must give
-    what the synchronous loop's own π_old pass gives, so the weights agree bit for bit."""
-    extra = ["model=tiny:qwen3_moe", "steps=3", "logging.rollout_check_every=0",
-             "moe.routing_replay=r2", "objective.name=grpo", "objective.eps_low=0.2",
-             "objective.eps_high=0.27"]
-    sync = Trainer(_cfg(tmp_path, "sync", *extra), reward_fns=[char_codes]).setup()
-    sync.train()
-    monkeypatch.setattr(Trainer, "_async_rollout", lambda self, k: self._pipeline(0))
-    monkeypatch.setattr(Trainer, "_behaviour_routing", lambda self: True)  # k = 0 here
     pipe = Trainer(_cfg(tmp_path, "pipe", *extra), reward_fns=[char_codes]).setup()
     try:
         pipe.train()
@@ -276,6 +260,21 @@ def test_zero_staleness_moe_pipeline_with_r2_matches_the_sync_loop_bit_for_bit(t
     assert all(torch.equal(a[k], b[k]) for k in a)
     rows_sync, rows_pipe = _rows(sync), _rows(pipe)
     assert [r["train/loss"] for r in rows_sync] == [r["train/loss"] for r in rows_pipe]
+    return rows_sync, rows_pipe
+
+
+@pytest.mark.slow
+def test_zero_staleness_moe_pipeline_with_r2_matches_the_sync_loop_bit_for_bit(tmp_path,
+                                                                              monkeypatch):
+    """An MoE policy with Routing Replay R2: π_old and the experts it chose come from the
+    engine process's pass on the behaviour weights; with zero staleness that pass must give
+    what the synchronous loop's own π_old pass gives, so the weights agree bit for bit."""
+    # the pipeline's trainer takes π_old's experts from the engine (k = 0 would not)
+    monkeypatch.setattr(Trainer, "_behaviour_routing", lambda self: self.hooks.active and (
+        getattr(self, "async_rollout", None) is not None))
+    rows_sync, rows_pipe = _sync_and_zero_staleness_pipeline(
+        tmp_path, monkeypatch, "model=tiny:qwen3_moe", "moe.routing_replay=r2",
+        "objective.name=grpo", "objective.eps_low=0.2", "objective.eps_high=0.27")
     assert [r["moe/routing_change"] for r in rows_sync] == [
         r["moe/routing_change"] for r in rows_pipe]
     assert any(r["moe/routing_change"] > 0 for r in rows_pipe)  # the weights did move
