@@ -127,7 +127,11 @@ def _release(trainer: Trainer) -> None:
 def run_probe(spec: CompareSpec, seed: int, runs_dir: Path, extra: list[str],
               log: Callable[[str], None]) -> dict[str, Any]:
     cfg = spec.config(spec.arms[0], seed, runs_dir, extra)
-    cfg = dataclasses.replace(cfg, run_name=f"probe_s{seed}", steps=0, eval_before=False)
+    # one update from the initial policy on a batch it sampled itself: no engine process
+    # even when the arm runs one (rollout.async_steps), whose pipeline would hold no batch
+    sync = dataclasses.replace(cfg.rollout, async_steps=0, async_threads=1)
+    cfg = dataclasses.replace(cfg, run_name=f"probe_s{seed}", steps=0, eval_before=False,
+                              rollout=sync)
     run_dir = Path(cfg.output_dir) / cfg.run_name
     if _reusable(run_dir, cfg):
         return json.loads((run_dir / DONE).read_text())

@@ -169,3 +169,13 @@ def test_reward_per_second_counts_scored_responses_over_step_time(tmp_path):
              "dynamic/groups_sampled": 4.0, "time/update_s": 2.0}]
     # (0.5 * 2 * 4 + 0.25 * 4 * 4) / (2 + 2)
     assert _reward_per_second(tmp_path, rows) == 2.0
+
+
+def test_the_routing_probe_of_an_async_arm_samples_in_process(tmp_path):
+    """The probe (one update from the initial policy) runs without the arm's engine process."""
+    from gspo.analysis.compare import run_probe
+
+    spec = load_spec("async/moe_compare", quick=True, arms=["gspo_k4"])
+    res = run_probe(spec, 0, tmp_path, [], log=lambda s: None)
+    assert 0.0 <= res["expert_change"] <= 1.0 and "token_change" in res
+    assert (tmp_path / "probe_s0" / "compare.json").is_file()
