@@ -545,8 +545,9 @@ class Trainer:
 
     def _recompute_old(self) -> bool:
         """Whether this step runs the trainer's π_old pass: always for ``old_logprobs=recompute``
-        and for MoE policies (their routing), else every ``logging.rollout_check_every`` steps
-        (async: only then, and it measures the staleness drift)."""
+        and for MoE policies (their routing; async: the engine process records the behaviour
+        policy's, see :meth:`_behaviour_routing`), else every ``logging.rollout_check_every``
+        steps (async: only then, and it measures the staleness drift)."""
         every = self.cfg.logging.rollout_check_every
         return (self._old_is_current() or (self.hooks.active and not self._behaviour_routing())
                 or (every > 0 and self.step % every == 0))
