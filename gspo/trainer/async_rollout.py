@@ -36,10 +36,10 @@ import torch
 
 from gspo.config import ConfigError
 from gspo.data.base import Example
-from gspo.models.moe import expert_change, routing_change
 from gspo.rollout.async_engine import AsyncEngine, Recompute, Request, decode
 from gspo.rollout.batch import Rollout
 from gspo.rollout.engine import EngineOptions
+from gspo.trainer.moe_hooks import routing_change_stats
 
 
 def behaviour_version(step: int, k: int) -> int:
@@ -145,12 +145,9 @@ def staleness_routing_metrics(behaviour: list[torch.Tensor] | None,
     behaviour policy's experts replaced (``async/staleness_{routing,expert}_change``)."""
     if behaviour is None:
         return {}
-    w = mask.reshape(-1).cpu()
-    return {"async/staleness_routing_change":
-            float(routing_change(behaviour, current, w)["overall"]),
-            "async/staleness_expert_change":
-            float(expert_change([b.cpu() for b in behaviour], [c.cpu() for c in current],
-                                w).mean())}
+    stats = routing_change_stats(behaviour, current, mask)  # the update's own measure
+    return {"async/staleness_routing_change": float(stats["moe/routing_change"]),
+            "async/staleness_expert_change": float(stats["moe/expert_change"])}
 
 
 def drift_metrics(engine_lp: torch.Tensor, behaviour_lp: torch.Tensor | None,
