@@ -24,7 +24,10 @@ rollout's ``max_new_tokens`` steps.
   output layer multiply through oneDNN on weights packed once per rollout (:class:`_Linear`).
 
 It covers the architectures whose decoder layers are exactly Llama's shape (``llama``,
-``qwen2``, ``qwen3`` without sliding-window layers) with plain ``nn.Linear`` projections;
+``qwen2``, ``qwen3`` without sliding-window layers) with plain ``nn.Linear`` projections, and
+their Mixture-of-Experts siblings (``mixtral``, ``qwen2_moe``, ``qwen3_moe``): the same
+attention, with each sparse layer's MoE block (router and experts) run as the model's own module
+(:func:`sparse_block`), so its routing and any hooks on its router are the model's;
 :func:`unsupported` names what stops any other model, and the sampler then uses ``forward``.
 The logits equal ``forward``'s to fp32 rounding (``tests/models/test_decode.py``).
 """
@@ -37,7 +40,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-FAMILIES = ("llama", "qwen2", "qwen3")
+FAMILIES = ("llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+
+
+def sparse_block(mlp: nn.Module) -> bool:
+    """Whether a decoder layer's ``mlp`` is a Mixture-of-Experts block (router and experts,
+    ``[B, S, hidden] -> [B, S, hidden]``), which the lean passes call as a module, rather than
+    a gate/up/down MLP, which they run as products on its weights."""
+    return hasattr(mlp, "experts") and hasattr(mlp, "gate")
 
 
 def unsupported(model: Any) -> str | None:
@@ -58,7 +68,10 @@ def unsupported(model: Any) -> str | None:
         return "parameters that are not plain tensors (sharded or wrapped)"
     if len({p.dtype for p in model.parameters()}) > 1:
         return "parameters of mixed dtypes"
-    if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()) or (
+    # hooks inside an MoE block fire (the block runs as a module): routing capture and replay
+    called = {id(m) for layer in layers if sparse_block(layer.mlp) for m in layer.mlp.modules()}
+    if any((m._forward_hooks or m._forward_pre_hooks) and id(m) not in called
+           for m in model.modules()) or (
             nn.modules.module._global_forward_hooks
             or nn.modules.module._global_forward_pre_hooks):
         return "forward hooks, which the decode step would bypass (e.g. FSDP2's)"
@@ -66,8 +79,8 @@ def unsupported(model: Any) -> str | None:
         return "the output layer is not a plain nn.Linear"
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
-        for proj in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj,
-                     mlp.up_proj, mlp.down_proj):
+        dense = () if sparse_block(mlp) else (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        for proj in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, *dense):
             if type(proj) is not nn.Linear:  # LoRA, quantised or otherwise wrapped layers
                 return f"projection {type(proj).__name__} is not a plain nn.Linear"
         if getattr(attn, "sliding_window", None) is not None:
@@ -182,9 +195,17 @@ class _Linear:
 
 
 def _fused_bytes(layer: nn.Module) -> int:
+    """Bytes of a layer's q/k/v and gate/up weights (a sparse layer: one expert's gate/up)."""
     attn, mlp = layer.self_attn, layer.mlp
-    return sum(p.weight.numel() * p.weight.element_size() for p in (
-        attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj))
+    qkv = sum(p.weight.numel() * p.weight.element_size()
+              for p in (attn.q_proj, attn.k_proj, attn.v_proj))
+    if sparse_block(mlp):
+        experts = mlp.experts
+        weights = [w for w in experts.parameters() if w.dim() == 3] or list(experts.parameters())
+        return qkv + sum(w.numel() * w.element_size() for w in weights) // (
+            2 * max(int(getattr(experts, "num_experts", 1)), 1))  # gate/up: ~half of its weights
+    return qkv + sum(p.weight.numel() * p.weight.element_size()
+                     for p in (mlp.gate_proj, mlp.up_proj))
 
 
 class _Layer:
@@ -198,22 +219,28 @@ class _Layer:
         self.q_norm = _Norm(attn.q_norm) if hasattr(attn, "q_norm") else None
         self.k_norm = _Norm(attn.k_norm) if hasattr(attn, "k_norm") else None
         self.o = _Linear(attn.o_proj.weight, attn.o_proj.bias, rows)
-        self.act = mlp.act_fn
-        self.down = _Linear(mlp.down_proj.weight, mlp.down_proj.bias, rows)
         projs = (attn.q_proj, attn.k_proj, attn.v_proj)
         self.splits = [p.out_features for p in projs]
-        groups = (projs, (mlp.gate_proj, mlp.up_proj))
+        self.block = mlp if sparse_block(mlp) else None  # MoE: the model's own module
+        groups: tuple[tuple[nn.Module, ...], ...] = (projs,)
+        if self.block is None:
+            self.act = mlp.act_fn
+            self.down = _Linear(mlp.down_proj.weight, mlp.down_proj.bias, rows)
+            groups = (projs, (mlp.gate_proj, mlp.up_proj))
         # a group whose projections disagree on having a bias stays unfused
         self.fused = fuse = fuse and all(len({p.bias is None for p in g}) == 1 for g in groups)
         if fuse:
-            self.qkv_all, self.gate_up = (
-                _Linear(torch.cat([p.weight for p in g]),
-                        None if g[0].bias is None else torch.cat([p.bias for p in g]), rows)
-                for g in groups)
+            fused = [_Linear(torch.cat([p.weight for p in g]),
+                             None if g[0].bias is None else torch.cat([p.bias for p in g]), rows)
+                     for g in groups]
+            self.qkv_all = fused[0]
+            if self.block is None:
+                self.gate_up = fused[1]
         else:
             self.projs = [_Linear(p.weight, p.bias, rows) for p in projs]
-            self.gate, self.up = (_Linear(p.weight, p.bias, rows)
-                                  for p in (mlp.gate_proj, mlp.up_proj))
+            if self.block is None:
+                self.gate, self.up = (_Linear(p.weight, p.bias, rows)
+                                      for p in (mlp.gate_proj, mlp.up_proj))
 
     def qkv(self, h: torch.Tensor, n: int, d: int, cos: torch.Tensor, sin: torch.Tensor
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -233,6 +260,8 @@ class _Layer:
         return _rope(q, cos, sin), _rope(k, cos, sin), v
 
     def mlp(self, h: torch.Tensor) -> torch.Tensor:
+        if self.block is not None:  # [n, hidden] as n sequences of one token
+            return self.block(h[:, None])[:, 0]
         if self.fused:
             gate, up = self.gate_up(h).chunk(2, dim=-1)
         else:

@@ -11,8 +11,9 @@ visible share of the step (the tiny Llama preset: ~0.7 ms of a 5 ms forward on 8
 weights: embedding, the model's rotary module (cos/sin) applied as in
 :func:`gspo.models.decode._rope` (bitwise Llama's), the norm modules, the projections as
 ``F.linear`` on their weights, ``F.scaled_dot_product_attention`` with an additive mask from
-:func:`key_bias`, the MLP's own activation. It can continue from the keys and values of an
-earlier pass (the shared-prompt packing of :mod:`gspo.models.packing`). It covers what
+:func:`key_bias`, the MLP's own activation; a Mixture-of-Experts layer's block (router and
+experts) runs as its own module. It can continue from the keys and values of an earlier pass
+(the shared-prompt packing of :mod:`gspo.models.packing`). It covers what
 :func:`gspo.models.decode.unsupported` allows, and :func:`lean_unsupported` adds what only
 matters under training (gradient checkpointing, attention dropout); everything else keeps
 ``forward``. Log-probs and gradients equal ``forward``'s (tests/models/test_lean_forward.py).
@@ -29,7 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from gspo.models.decode import _rope, _signed, rope_adapts, unsupported
+from gspo.models.decode import _rope, _signed, rope_adapts, sparse_block, unsupported
 
 
 def lean_unsupported(model: Any) -> str | None:
@@ -130,6 +131,8 @@ def lean_layer(layer: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                                        enable_gqa=k.shape[1] != q.shape[1])
     x = x + F.linear(o.transpose(1, 2).reshape(b, s, -1), attn.o_proj.weight, attn.o_proj.bias)
     h = layer.post_attention_layernorm(x)
+    if sparse_block(mlp):  # Mixture-of-Experts: the model's own block (router hooks fire)
+        return x + mlp(h), k, v
     gate = F.linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias)
     up = F.linear(h, mlp.up_proj.weight, mlp.up_proj.bias)
     x = x + F.linear(mlp.act_fn(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)

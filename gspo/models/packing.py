@@ -13,10 +13,17 @@ for models whose head is not a plain linear layer, with activation checkpointing
 disables the cache), or when no prompt is shared.
 
 The output layer runs through :func:`gspo.models.logprobs.head_logprobs`, as in the plain path.
+
+For a Mixture-of-Experts model each router runs twice per pass (the prompts, then the
+responses); :func:`_routing_layout` tells routing capture and replay how those calls map onto
+the plain ``[B, T]`` layout (:func:`gspo.models.moe.packed_routing`), so recorded and replayed
+experts keep that layout: a prompt's experts are recorded once and stand for every row that
+shares it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from typing import Any
 
@@ -24,6 +31,7 @@ import torch
 
 from gspo.models.lean_forward import key_bias, lean_hidden
 from gspo.models.logprobs import _split, head_logprobs, token_logprobs
+from gspo.models.moe import PackedRouting, has_routers, packed_routing
 
 
 def _prefixes(input_ids: torch.Tensor,
@@ -36,6 +44,32 @@ def _prefixes(input_ids: torch.Tensor,
     for row, s in enumerate(starts.tolist()):
         owner.append(seen.setdefault(tuple(ids[row][:s]), len(seen)))
     return [list(k) for k in seen], torch.tensor(owner, device=input_ids.device), starts
+
+
+def _routing_layout(owner: torch.Tensor, starts: torch.Tensor, width: int, src: torch.Tensor,
+                    seq_len: int) -> PackedRouting:
+    """The two router calls of a packed pass as positions of the plain [B, T] layout.
+
+    Call 0 routes the [P, width] left-padded prompts: prompt p's column c is token
+    c − (width − len p) of its first row (padding: that row's column 0). Call 1 routes the
+    [B, R] responses: row b's column j is its column ``src[b, j]``. Back the other way, row
+    b's column t reads its prompt's row in call 0 before ``starts[b]``, else its own response
+    row (columns past the response, padding, read the last one)."""
+    n, r_width = src.shape
+    dev = owner.device
+    plen = torch.zeros(int(owner.max()) + 1, dtype=torch.long, device=dev).scatter(
+        0, owner, starts)
+    rows = torch.arange(n, device=dev)
+    first = torch.full_like(plen, n).scatter_reduce(0, owner, rows, "amin")
+    cols = torch.arange(width, device=dev)[None]
+    prompt_call = first[:, None] * seq_len + (cols - (width - plen[:, None])).clamp(min=0)
+    response_call = rows[:, None] * seq_len + src
+    t = torch.arange(seq_len, device=dev)[None]
+    in_prompt = owner[:, None] * width + (width - starts[:, None]) + t
+    in_response = (plen.numel() * width + rows[:, None] * r_width
+                   + (t - starts[:, None]).clamp(0, r_width - 1))
+    gather = torch.where(t < starts[:, None], in_prompt, in_response)
+    return PackedRouting([prompt_call.reshape(-1), response_call.reshape(-1)], gather.reshape(-1))
 
 
 def shared_prefix_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -68,9 +102,31 @@ def shared_prefix_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: 
         return token_logprobs(model, input_ids, attention_mask, target_mask,
                               temperature=temperature, chunk=chunk, with_entropy=with_entropy,
                               lean=lean, compiled=compiled)
-    head = split[1]
-    # 1. Each distinct prompt once, left-padded so that every prompt ends at the same column.
     width, dev = max(len(p) for p in prompts), input_ids.device
+    resp_len = lengths - starts
+    r_width = int(resp_len.max())
+    cols = torch.arange(r_width, device=dev)
+    valid = cols[None] < resp_len[:, None]
+    src = (starts[:, None] + cols[None]).clamp(max=input_ids.shape[1] - 1)
+    routing = (packed_routing(model, _routing_layout(owner, starts, width, src,
+                                                     input_ids.shape[1]))
+               if has_routers(model) else contextlib.nullcontext())
+    with routing:
+        return _packed_pass(model, input_ids, target_mask, prompts, owner, starts, width,
+                            valid, src, temperature=temperature, chunk=chunk,
+                            with_entropy=with_entropy, lean=lean, compiled=compiled)
+
+
+def _packed_pass(model: Any, input_ids: torch.Tensor, target_mask: torch.Tensor,
+                 prompts: list[list[int]], owner: torch.Tensor, starts: torch.Tensor, width: int,
+                 valid: torch.Tensor, src: torch.Tensor, *, temperature: float, chunk: int,
+                 with_entropy: bool, lean: bool, compiled: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`shared_prefix_logprobs` after the layout is known: ``valid`` and ``src`` [B, R]
+    mark each row's response columns and their columns in ``input_ids``."""
+    backbone, head = _split(model)
+    dev, r_width = input_ids.device, valid.shape[1]
+    # 1. Each distinct prompt once, left-padded so that every prompt ends at the same column.
     p_ids = torch.zeros((len(prompts), width), dtype=torch.long, device=dev)
     p_mask = torch.zeros((len(prompts), width), dtype=torch.long, device=dev)
     for i, p in enumerate(prompts):
@@ -93,11 +149,7 @@ def shared_prefix_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: 
         cache, last = out[key], out.last_hidden_state[:, -1]
         cache.batch_select_indices(owner)  # row i reads prompt owner[i]'s keys and values
     # 2. The responses on top: right-padded, positions continuing each row's prompt.
-    resp_len = lengths - starts
-    r_width = int(resp_len.max())
     cols = torch.arange(r_width, device=dev)
-    valid = cols[None] < resp_len[:, None]
-    src = (starts[:, None] + cols[None]).clamp(max=input_ids.shape[1] - 1)
     r_ids = torch.where(valid, input_ids.gather(1, src), 0)
     mask = torch.cat([p_mask[owner], valid.long()], dim=1)
     r_pos = starts[:, None] + cols[None]

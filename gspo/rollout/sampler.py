@@ -253,7 +253,8 @@ def generate(model: Any, prompts: list[list[int]], *, group_size: int, params: S
 
     ``fast_decode`` runs the prefill through :func:`gspo.models.lean_forward.lean_hidden` and
     the decode steps through :class:`gspo.models.decode.DenseDecoder` when the model is one
-    they cover (and no routing is recorded); else both through ``forward``.
+    they cover (an MoE model's blocks run as its own modules there, so routing is recorded
+    alike); else both through ``forward``.
     ``decode_matmul`` picks the decode steps' matrix products (:class:`DenseDecoder`'s
     ``packed``): "blas" (``F.linear``), "onednn" (packed weights; a CPU float32 model), "auto"
     (onednn where :func:`gspo.models.decode.packable` allows and
@@ -266,10 +267,12 @@ def generate(model: Any, prompts: list[list[int]], *, group_size: int, params: S
     dev = model.get_input_embeddings().weight.device  # everything below is built there
     ids, mask = (t.to(dev) for t in _left_pad(prompts, pad_id))
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    # decided before the routing log hooks the routers (the lean passes call an MoE block as
+    # its own module, so those hooks fire there too; hooks elsewhere would be bypassed)
+    lean = fast_decode and unsupported(model) is None
     log = (_RoutingLog(model, [len(p) for p in prompts], group_size, params.max_new_tokens)
            if record_routing else None)
     try:
-        lean = fast_decode and log is None and unsupported(model) is None
         packed = lean and (decode_matmul == "onednn" or (
             decode_matmul == "auto" and packable(model) is None and packing_pays(model)))
         # The fast path runs in inference mode (no autograd bookkeeping on any tensor: a tiny
@@ -357,9 +360,9 @@ def _generate(model: Any, prompts: list[list[int]], ids: torch.Tensor, mask: tor
             mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
             out = model(input_ids=tok[:, None], attention_mask=mask,
                         position_ids=next_pos[:, None], cache=cache, use_cache=True)
-            if log is not None:
-                log.decode(step, active)
             logits = out.logits[:, -1]
+        if log is not None:
+            log.decode(step, active)
         next_pos = next_pos + 1
     tokens[active], lps[active] = tok_rows, lp_rows
     rows = lengths.tolist()

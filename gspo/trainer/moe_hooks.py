@@ -12,8 +12,9 @@ What it covers, phase by phase:
   router load-balancing loss, and the ``moe/routing_change`` stats; per step,
   ``moe/routing_change_after_update``.
 
-An MoE policy also keeps the plain ``(B, T)`` layout (no shared-prompt packing) and always runs
-the π_old pass: recorded routing indexes that layout, and only that pass records it.
+Recorded routing indexes the plain ``(B, T)`` layout of the batch, also when the log-prob pass
+packs shared prompts (:func:`gspo.models.moe.packed_routing` translates). An MoE policy always
+runs the π_old pass: only that pass records π_old's routing.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from gspo.models.moe import (
     router_modules,
     routing_change,
     select_sequences,
+    translated,
 )
 from gspo.rollout import EngineCapabilities
 
@@ -183,9 +185,13 @@ def moe_forward(model: Any, replay: list[torch.Tensor] | None, want_logits: bool
     out: dict[str, Any] = {"live_logits": []}
     hooks = []
     if aux:
-        def keep(_m: Any, _i: Any, output: Any) -> None:
-            out["live_logits"].append(output[0])
-        hooks = [r.register_forward_hook(keep) for r in router_modules(model)]
+        routers = router_modules(model)
+        record = translated(lambda _layer, logits: out["live_logits"].append(logits),
+                            len(routers))
+
+        def keep(layer: int) -> Any:
+            return lambda module, _i, output: record(layer, module, output[0])
+        hooks = [r.register_forward_hook(keep(i)) for i, r in enumerate(routers)]
     replay_ctx = replay_routing(model, replay) if replay is not None else contextlib.nullcontext()
     capture_ctx = (capture_routing(model, record_logits=True) if want_logits
                    else contextlib.nullcontext())

@@ -279,16 +279,21 @@ class Trainer:
         self.engine = build_engine(cfg.rollout.engine, self.model, self.tokenizer, opts)
 
     def _choose_passes(self) -> None:
-        """The log-prob pass every phase uses. Shared-prompt packing changes the (B, T) layout
-        that MoE routing capture/replay index, and under FSDP2 its fallback (no shared prompt
-        in a rank's rows) would desynchronise the ranks' per-layer all-gathers; both keep the
-        plain path. Llama-family dense policies skip forward()'s per-call work (same values)."""
-        packed = self.cfg.logprob_packing and not self.hooks.active and not self._fsdp2
+        """The log-prob pass every phase uses. Shared-prompt packing runs each prompt once
+        (MoE routing capture and replay still see the plain (B, T) layout, see
+        gspo.models.packing); under FSDP2 its fallback (no shared prompt in a rank's rows)
+        would desynchronise the ranks' per-layer all-gathers, so FSDP2 keeps the plain path.
+        Llama-family dense policies skip forward()'s per-call work (same values)."""
+        packed = self.cfg.logprob_packing and not self._fsdp2
         why = lean_unsupported(self.model)
         self.lean = self.cfg.lean_forward and why is None
         if self.cfg.compile_layers and why is not None:
             raise ConfigError(f"compile_layers=true compiles the lean log-prob pass, which this "
                               f"model cannot take: {why}")
+        if self.cfg.compile_layers and self.hooks.active:
+            raise ConfigError("compile_layers=true compiles dense decoder layers; this policy "
+                              "has Mixture-of-Experts layers (their routing hooks and expert "
+                              "dispatch stay eager): set compile_layers=false")
         if self.cfg.compile_layers and (why := compile_unsupported(self.dist.device)):
             raise ConfigError(f"compile_layers=true: {why}")
         self.logprob_fn = functools.partial(
@@ -523,7 +528,10 @@ class Trainer:
             lp, ent = full
         elif self.inference:
             lp, ent = lp.clone(), ent.clone()
-        return lp, ent, (rec.take() if rec is not None else None)
+        routing = rec.take() if rec is not None else None
+        if routing is not None and self.inference:  # replay indexes them under autograd
+            routing = [r.clone() if r.is_inference() else r for r in routing]
+        return lp, ent, routing
 
     def reference_logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
         """log π_ref for the KL term (``objective.beta > 0``), else None."""

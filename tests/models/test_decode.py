@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Config, Qwen3Config
 
 from gspo.models.decode import (
     FUSE_MAX_BYTES,
@@ -18,6 +18,7 @@ from gspo.rollout.sampler import _left_pad
 
 SIZES = dict(vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=3,
              num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=128)
+MOE = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 
 def _model(kind: str, seed: int = 0):
@@ -28,6 +29,9 @@ def _model(kind: str, seed: int = 0):
                           rope_scaling={"rope_type": "dynamic", "factor": 2.0})
     elif kind == "qwen2":  # biases on q/k/v
         cfg = Qwen2Config(**SIZES)
+    elif kind in MOE:  # sparse layers: the attention above, the MoE block as its module
+        cfg = tiny_moe_config(kind, vocab_size=97, hidden_size=48, num_layers=3, num_experts=4,
+                              top_k=2, num_heads=6, num_kv_heads=2, max_position_embeddings=128)
     else:  # qwen3: RMS norm on each query/key head; head_dim not hidden / heads
         cfg = Qwen3Config(**SIZES, head_dim=16)
     torch.manual_seed(seed)
@@ -47,7 +51,7 @@ needs_onednn = pytest.mark.skipif(not onednn_available(), reason="no oneDNN in t
 
 @pytest.mark.parametrize("packed", [False, pytest.param(True, marks=needs_onednn)])
 @pytest.mark.parametrize("fuse", [True, False])
-@pytest.mark.parametrize("kind", ["llama", "llama_dynamic", "qwen2", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "llama_dynamic", "qwen2", "qwen3", *MOE])
 def test_decode_steps_equal_forward_with_padding_and_dropped_rows(kind, fuse, packed):
     """Plain (F.linear) and oneDNN-packed products alike, the packed ones with rows dropped
     below the batch size their weights were packed for."""
@@ -131,8 +135,9 @@ def test_packable_names_what_stops_onednn():
 
 
 def test_models_it_does_not_cover_are_named_and_fall_back_to_forward():
-    moe = AutoModelForCausalLM.from_config(tiny_moe_config("qwen3_moe"))
-    assert "qwen3_moe" in unsupported(moe)
+    other = AutoModelForCausalLM.from_config(GPT2Config(vocab_size=97, n_embd=48, n_layer=2,
+                                                        n_head=6, n_positions=64))
+    assert "gpt2" in unsupported(other)
     sliding = AutoModelForCausalLM.from_config(
         Qwen2Config(**SIZES, use_sliding_window=True, sliding_window=4, max_window_layers=0))
     assert "sliding" in unsupported(sliding)
@@ -149,7 +154,7 @@ def test_models_it_does_not_cover_are_named_and_fall_back_to_forward():
     with pytest.raises(ValueError, match="DenseDecoder: projection Sequential"):
         DenseDecoder(llama, None, torch.ones(1, 1), 1)
     # generate() still runs them, through forward
-    roll = generate(moe, [[3, 4, 5]], group_size=2, params=SamplingParams(4), eos=[1], pad_id=0,
+    roll = generate(other, [[3, 4, 5]], group_size=2, params=SamplingParams(4), eos=[1], pad_id=0,
                     generator=torch.Generator().manual_seed(0))
     assert len(roll) == 2
 

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Config, Qwen3Config
 
 from gspo.models.lean_forward import compile_unsupported, key_bias, lean_unsupported
 from gspo.models.logprobs import token_logprobs
@@ -12,6 +12,7 @@ from gspo.rollout import pad_batch
 
 SIZES = dict(vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=3,
              num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=128)
+MOE = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 
 def _model(kind: str):
@@ -21,6 +22,9 @@ def _model(kind: str):
         cfg = LlamaConfig(**{**SIZES, "num_key_value_heads": 6})
     elif kind == "qwen2":  # biases on q/k/v
         cfg = Qwen2Config(**SIZES)
+    elif kind in MOE:  # sparse layers: the attention above, the MoE block as its module
+        cfg = tiny_moe_config(kind, vocab_size=97, hidden_size=48, num_layers=3, num_experts=4,
+                              top_k=2, num_heads=6, num_kv_heads=2, max_position_embeddings=128)
     else:  # qwen3: RMS norm on each query/key head; head_dim not hidden / heads
         cfg = Qwen3Config(**SIZES, head_dim=16)
     torch.manual_seed(0)
@@ -54,7 +58,7 @@ def _run(fn, model, b, lean, compiled=False):
 
 
 @pytest.mark.parametrize("fn", [token_logprobs, shared_prefix_logprobs])
-@pytest.mark.parametrize("kind", ["llama", "llama_mha", "qwen2", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "llama_mha", "qwen2", "qwen3", *MOE])
 def test_lean_pass_equals_forward_values_and_gradients(kind, fn):
     model = _model(kind).train()
     assert lean_unsupported(model) is None
@@ -126,8 +130,9 @@ def test_unsupported_names_what_forward_would_do_differently():
     assert "gradient checkpointing" in lean_unsupported(model)
     cfg = LlamaConfig(**SIZES, attention_dropout=0.1)
     assert "dropout" in lean_unsupported(AutoModelForCausalLM.from_config(cfg))
-    moe = AutoModelForCausalLM.from_config(tiny_moe_config("qwen3_moe", vocab_size=97))
-    assert "model type" in lean_unsupported(moe)
+    other = AutoModelForCausalLM.from_config(GPT2Config(vocab_size=97, n_embd=48, n_layer=2,
+                                                        n_head=6, n_positions=64))
+    assert "model type" in lean_unsupported(other)
 
 
 def test_fast_generate_returns_normal_tensors_and_leaves_module_state_alone():

@@ -64,3 +64,104 @@ def test_unshared_prompts_fall_back_to_the_plain_path():
     with torch.no_grad():
         (lp0, _), (lp1, _) = _both(model, b)
     assert torch.equal(lp0, lp1)
+
+
+# --- Mixture-of-Experts: routing recorded and replayed through a packed pass keeps [B*T, k] ---
+
+def _moe(family, seed=0):
+    from gspo.models.tiny import tiny_moe_config
+
+    torch.manual_seed(seed)
+    cfg = tiny_moe_config(family, vocab_size=256, hidden_size=32, num_layers=2, num_experts=8,
+                          top_k=2, num_heads=4, num_kv_heads=2)
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config(cfg).float()
+
+
+def _real(b):
+    """Flat [B*T] positions of real tokens (prompt and response, not padding)."""
+    return b["attention_mask"].bool().reshape(-1)
+
+
+MOE_FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe"]
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_moe_packed_capture_records_the_plain_layout(family):
+    from gspo.models.moe import capture_routing
+
+    model = _moe(family).eval()
+    b = _batch(seed=4)
+    args = (model, b["input_ids"], b["attention_mask"], b["response_mask"])
+    with torch.no_grad():
+        with capture_routing(model) as plain:
+            lp0, _ = token_logprobs(*args)
+        with capture_routing(model, record_logits=True) as packed:
+            lp1, _ = shared_prefix_logprobs(*args)
+    torch.testing.assert_close(lp1, lp0, rtol=0, atol=1e-5)
+    real = _real(b)
+    n = b["input_ids"].numel()
+    for old, new, logits in zip(plain.indices, packed.indices, packed.logits, strict=True):
+        assert new.shape == old.shape == (n, 2) and logits.shape == (n, 8)
+        assert torch.equal(new[real].sort(-1).values, old[real].sort(-1).values)
+        assert torch.equal(logits.topk(2, -1).indices, new)  # logits follow the same layout
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_moe_packed_replay_equals_plain_replay(family):
+    """Replaying one recorded routing (here: random experts, far from the router's own) through
+    the packed pass gives the plain pass's replayed log-probs, and its gradients."""
+    from gspo.models.moe import replay_routing
+
+    model = _moe(family, seed=1).train()
+    b = _batch(seed=5)
+    n = b["input_ids"].numel()
+    g = torch.Generator().manual_seed(0)
+    forced = [torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(n)])
+              for _ in range(2)]
+    # a shared prompt routes alike in every row that holds it, as any recorded routing does
+    # (the packed pass runs it once and replays its first row's experts)
+    starts = b["response_mask"].int().argmax(-1)
+    for f in forced:
+        rows = f.view(*b["input_ids"].shape, 2)
+        for r in range(1, rows.shape[0]):
+            if r % 3:  # _batch: groups of 3 rows
+                rows[r, :starts[r]] = rows[r - r % 3, :starts[r]]
+    w = torch.randn(b["input_ids"].shape, generator=g)
+    out = []
+    for fn in (token_logprobs, shared_prefix_logprobs):
+        model.zero_grad(set_to_none=True)
+        with replay_routing(model, forced) as rep:
+            lp, _ = fn(model, b["input_ids"], b["attention_mask"], b["response_mask"])
+            (lp * w).sum().backward()
+        out.append((lp.detach(), {k: p.grad.clone() for k, p in model.named_parameters()
+                                  if p.grad is not None}, rep.calls))
+    (lp0, g0, calls0), (lp1, g1, calls1) = out
+    assert (calls0, calls1) == (2, 4)  # two routers; the packed pass calls each twice
+    torch.testing.assert_close(lp1, lp0, rtol=0, atol=1e-5)
+    assert g0.keys() == g1.keys()
+    for k in g0:
+        torch.testing.assert_close(g1[k], g0[k], rtol=1e-4, atol=1e-6, msg=k)
+    with torch.no_grad(), replay_routing(model, [f[:-1] for f in forced]):
+        with pytest.raises(ValueError, match="same \\(B, T\\) layout"):
+            shared_prefix_logprobs(model, b["input_ids"], b["attention_mask"],
+                                   b["response_mask"])
+
+
+def test_moe_packed_aux_logits_follow_the_plain_layout():
+    """The load-balancing loss reads router logits with gradient in the [B*T] layout."""
+    from gspo.trainer.moe_hooks import moe_forward
+
+    model = _moe("qwen3_moe", seed=2).train()
+    b = _batch(seed=6)
+    got = []
+    for fn in (token_logprobs, shared_prefix_logprobs):
+        with moe_forward(model, None, False, True) as out:
+            fn(model, b["input_ids"], b["attention_mask"], b["response_mask"])
+        got.append(out["live_logits"])
+    real = _real(b)
+    assert len(got[1]) == 2 and all(x.requires_grad for x in got[1])
+    for plain, packed in zip(*got, strict=True):
+        assert packed.shape == plain.shape
+        torch.testing.assert_close(packed[real], plain[real], rtol=0, atol=1e-5)

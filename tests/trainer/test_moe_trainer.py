@@ -150,15 +150,17 @@ def test_r3_with_an_engine_that_cannot_record_is_an_error(tmp_path):
 
 
 def test_rollout_and_old_pass_of_an_moe_policy_record_no_autograd_graph(tmp_path):
-    """Sampling and the π_old pass of a policy the lean passes do not cover run under no_grad:
-    ``torch.inference_mode(False)`` would switch gradient recording back on inside it, and
-    every layer's output would carry a graph that nothing reads (time and memory)."""
+    """Sampling and the π_old pass of a policy outside the lean passes (here: turned off) run
+    under no_grad: ``torch.inference_mode(False)`` would switch gradient recording back on
+    inside it, and every layer's output would carry a graph that nothing reads (time and
+    memory)."""
     import torch
 
     cfg = load_config(None, [
         "model=tiny:qwen3_moe", f"output_dir={tmp_path}", "run_name=graph", "progress=false",
         "rollout.max_new_tokens=4", "rollout.prompts_per_step=2", "rollout.group_size=2",
-        "task.eval_size=0", "eval_before=false"])
+        "task.eval_size=0", "eval_before=false", "lean_forward=false",
+        "rollout.fast_decode=false"])
     trainer = Trainer(cfg, reward_fns=[first_char_digit]).setup()
     assert not trainer.inference  # the path under test: no inference mode for this model
     seen = []
@@ -174,3 +176,25 @@ def test_rollout_and_old_pass_of_an_moe_policy_record_no_autograd_graph(tmp_path
     lp, ent, routing = trainer.old_logprobs(batch)
     assert seen and not any(a or b for a, b in seen)
     assert not lp.requires_grad and not ent.requires_grad and routing is not None
+
+
+def test_moe_old_pass_in_inference_mode_gives_routing_autograd_can_use(tmp_path):
+    """The lean passes cover MoE policies and run the π_old pass in inference mode; the
+    experts it records come out as normal tensors, which R2's replay may index under autograd
+    (an inference tensor saved for backward raises)."""
+    import torch
+
+    from gspo.rollout import pad_batch
+
+    cfg = load_config(None, [
+        "model=tiny:qwen3_moe", f"output_dir={tmp_path}", "run_name=inf", "progress=false",
+        "rollout.max_new_tokens=4", "rollout.prompts_per_step=2", "rollout.group_size=2",
+        "task.eval_size=0", "eval_before=false"])
+    trainer = Trainer(cfg, reward_fns=[first_char_digit]).setup()
+    assert trainer.inference and trainer.lean
+    _, roll = trainer.rollout()
+    _, _, routing = trainer.old_logprobs(pad_batch(roll.prompt_ids, roll.response_ids,
+                                                   trainer.pad_id))
+    assert routing and not any(r.is_inference() for r in routing)
+    x = torch.randn(routing[0].shape[0], 8, requires_grad=True)
+    x.gather(-1, routing[0]).sum().backward()  # saved for backward: must not be inference

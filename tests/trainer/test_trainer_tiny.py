@@ -110,7 +110,7 @@ def test_packed_and_plain_logprob_paths_give_the_same_update(tmp_path):
 
 def test_lean_forward_gives_the_same_update_as_forward(tmp_path):
     """lean_forward (the log-prob passes without forward()'s per-call work) against forward:
-    one step, same weights and stats; MoE policies never take it."""
+    one step, same weights and stats; MoE policies take it too, but not compiled."""
     out = {}
     for lean in ("true", "false"):
         t, *out[lean] = _one_step(tmp_path, f"l{lean}", f"lean_forward={lean}")
@@ -120,8 +120,8 @@ def test_lean_forward_gives_the_same_update_as_forward(tmp_path):
         torch.testing.assert_close(out["true"][0][k], out["false"][0][k], rtol=1e-4, atol=1e-5)
     moe = Trainer(_cfg(tmp_path, "moe", "model=tiny:qwen3_moe", "steps=1"),
                   reward_fns=[char_codes]).setup()
-    assert moe.logprob_fn.keywords == {"lean": False, "compiled": False}
-    with pytest.raises(ConfigError, match="compile_layers=true compiles the lean log-prob pass"):
+    assert moe.logprob_fn.keywords == {"lean": True, "compiled": False}
+    with pytest.raises(ConfigError, match="compile_layers=true compiles dense decoder layers"):
         Trainer(_cfg(tmp_path, "moe_c", "model=tiny:qwen3_moe", "steps=1",
                      "compile_layers=true"), reward_fns=[char_codes]).setup()
 

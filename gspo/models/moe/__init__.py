@@ -12,7 +12,8 @@ Submodules, each importing only the ones before it:
 * :mod:`~gspo.models.moe.adapters`: per-family adapters (router class, gate weights) and
   detection (:func:`is_moe`, :func:`moe_adapter`, :func:`router_modules`).
 * :mod:`~gspo.models.moe.routing`: :func:`capture_routing`, :func:`replay_routing`,
-  :func:`select_sequences` and the ``[B*T, k]`` layout contract.
+  :func:`select_sequences`, the ``[B*T, k]`` layout contract and :func:`packed_routing`
+  (forwards that run the batch in several router calls, as shared-prompt packing does).
 * :mod:`~gspo.models.moe.metrics`: the expert-set comparison (:func:`kept_experts`),
   :func:`routing_change`, :func:`expert_change` and :func:`load_balancing_loss`.
 
@@ -23,6 +24,7 @@ from gspo.models.moe.adapters import (
     SUPPORTED_MOE,
     GateFn,
     MoEAdapter,
+    has_routers,
     is_moe,
     moe_adapter,
     router_modules,
@@ -35,11 +37,14 @@ from gspo.models.moe.metrics import (
     routing_change,
 )
 from gspo.models.moe.routing import (
+    PackedRouting,
     RoutingRecorder,
     RoutingReplayer,
     capture_routing,
+    packed_routing,
     replay_routing,
     select_sequences,
+    translated,
     unpack_router_output,
 )
 
@@ -47,18 +52,22 @@ __all__ = [
     "SUPPORTED_MOE",
     "GateFn",
     "MoEAdapter",
+    "PackedRouting",
     "RoutingRecorder",
     "RoutingReplayer",
     "capture_routing",
     "expert_change",
     "expert_set_changed",
+    "has_routers",
     "is_moe",
     "kept_experts",
     "load_balancing_loss",
     "moe_adapter",
+    "packed_routing",
     "replay_routing",
     "router_modules",
     "routing_change",
     "select_sequences",
+    "translated",
     "unpack_router_output",
 ]

@@ -194,6 +194,11 @@ def is_moe(model: nn.Module) -> bool:
     return _looks_moe(model)
 
 
+def has_routers(model: nn.Module) -> bool:
+    """Whether ``model`` is an MoE model whose routers capture and replay can hook."""
+    return _supported_type(model) is not None and is_moe(model)
+
+
 def moe_adapter(model: nn.Module) -> MoEAdapter:
     """The :class:`MoEAdapter` for ``model``.
 

@@ -8,6 +8,11 @@ Layout contract: a router sees the flattened hidden states of the whole forward,
 ``[N, k]`` with ``N = B * T`` (padding positions included, row-major over ``(batch, time)``).
 Record and replay must use the same ``(B, T)`` layout (same padding side, same sequence length,
 same row order); :func:`select_sequences` slices a recorded batch into minibatches.
+
+A forward that does not run the ``(B, T)`` batch as one block (the shared-prompt pass of
+:mod:`gspo.models.packing`: each distinct prompt once, then the responses on top) declares how
+its router calls map onto that layout with :func:`packed_routing`; capture and replay then
+translate, so what they record and replay stays ``[B * T, k]``.
 """
 
 from __future__ import annotations
@@ -23,9 +28,11 @@ from torch import Tensor, nn
 from gspo.models.moe.adapters import moe_adapter, router_modules
 
 __all__ = [
+    "PackedRouting",
     "RoutingRecorder",
     "RoutingReplayer",
     "capture_routing",
+    "packed_routing",
     "replay_routing",
     "select_sequences",
     "unpack_router_output",
@@ -52,6 +59,106 @@ def unpack_router_output(output: Any, layer: int) -> tuple[Tensor, Tensor, Tenso
             "(router_logits, router_scores, router_indices) as in transformers 5.x"
         )
     return output  # type: ignore[return-value]
+
+
+# --------------------------------------------------------------------------------------------
+# Packed forwards: several router calls per layer standing for one (B, T) layout
+# --------------------------------------------------------------------------------------------
+
+
+class PackedRouting:
+    """How the router calls of each MoE layer in one packed forward map onto the ``(B, T)``
+    layout that capture and replay use.
+
+    Args:
+        calls: per router call of a layer, in call order, the flat ``(B, T)`` position
+            (``b * T + t``) each of the call's token rows stands for (rows that stand for no
+            token, e.g. padding, name any position: replay gives them its experts).
+        gather: ``[B * T]``, each flat position's row in the calls' rows concatenated.
+    """
+
+    def __init__(self, calls: Sequence[Tensor], gather: Tensor) -> None:
+        self.calls = [c.long() for c in calls]
+        self.gather = gather.long()
+        self._call: dict[int, int] = {}  # id(router) -> index of the call in progress
+
+    @property
+    def tokens(self) -> int:
+        """``B * T``: the rows of the layout's ``[B * T, k]`` tensors."""
+        return int(self.gather.shape[0])
+
+    def call(self, router: nn.Module) -> int:
+        """Index (in :attr:`calls`) of ``router``'s call in progress."""
+        return self._call[id(router)]
+
+    def to_call(self, flat: Tensor, router: nn.Module) -> Tensor:
+        """The rows of a ``[B * T, ...]`` tensor that ``router``'s call in progress routes."""
+        return flat[self.calls[self.call(router)].to(flat.device)]
+
+    def to_flat(self, pending: list[Tensor], value: Tensor, router: nn.Module) -> Tensor | None:
+        """Collect one call's ``value`` in ``pending``; after the layer's last call, return the
+        ``[B * T, ...]`` tensor they make (and empty ``pending``), else None."""
+        pending.append(value)
+        if self.call(router) < len(self.calls) - 1:
+            return None
+        whole = torch.cat(pending) if len(pending) > 1 else pending[0]
+        pending.clear()
+        return whole[self.gather.to(whole.device)]
+
+
+_PACKED: dict[int, PackedRouting] = {}  # id(router) -> the packed forward it runs in
+
+
+def packed_of(router: nn.Module) -> PackedRouting | None:
+    """The :class:`PackedRouting` of the packed forward ``router`` runs in, if any."""
+    return _PACKED.get(id(router))
+
+
+@contextmanager
+def packed_routing(model: nn.Module, layout: PackedRouting) -> Iterator[PackedRouting]:
+    """Declare that the forwards in the block route through ``layout``'s calls (same number
+    and order for every MoE layer); :func:`capture_routing`, :func:`replay_routing` and
+    :func:`translated` hooks translate between them and the ``(B, T)`` layout."""
+    routers = router_modules(model)
+    counted: dict[int, int] = {}
+
+    def count(module: nn.Module, args: Any) -> None:  # pre-hook: before every forward hook
+        n = counted.get(id(module), 0)
+        if n >= len(layout.calls):
+            raise RuntimeError(f"packed routing: a router was called {n + 1} times; the "
+                               f"layout has {len(layout.calls)} calls per layer")
+        layout._call[id(module)] = n
+        counted[id(module)] = n + 1
+
+    if any(id(r) in _PACKED for r in routers):
+        raise RuntimeError("packed routing: a packed forward is already running on this model")
+    handles = [r.register_forward_pre_hook(count) for r in routers]
+    for r in routers:
+        _PACKED[id(r)] = layout
+    try:
+        yield layout
+    finally:
+        for h in handles:
+            h.remove()
+        for r in routers:
+            _PACKED.pop(id(r), None)
+
+
+def translated(store: Callable[[int, Tensor], None], n_layers: int
+               ) -> Callable[[int, nn.Module, Tensor], None]:
+    """``record(layer, router, value)`` for a hook that keeps ``[N, ...]`` router outputs:
+    ``store(layer, value)`` directly in a plain forward, once per layer with the ``[B * T, ...]``
+    tensor of the calls in a packed one."""
+    pending: list[list[Tensor]] = [[] for _ in range(n_layers)]
+
+    def record(layer: int, router: nn.Module, value: Tensor) -> None:
+        layout = packed_of(router)
+        if layout is None:
+            store(layer, value)
+        elif (whole := layout.to_flat(pending[layer], value, router)) is not None:
+            store(layer, whole)
+
+    return record
 
 
 # --------------------------------------------------------------------------------------------
@@ -84,16 +191,21 @@ class RoutingRecorder:
         self._logits: list[list[Tensor]] = [[] for _ in routers]
         self.calls = 0
         """Number of (non-recompute) router calls seen, over all layers."""
+        n = len(self._idx)
+        self._keep_idx = translated(lambda i, x: self._idx[i].append(x), n)
+        self._keep_logits = translated(lambda i, x: self._logits[i].append(x), n)
 
     def _store(self, x: Tensor) -> Tensor:
         x = x.detach()
         return x.to(self._device) if self._device is not None else x
 
-    def _record(self, layer: int, logits: Tensor, indices: Tensor) -> None:
+    def _record(self, layer: int, logits: Tensor, indices: Tensor,
+                router: nn.Module | None = None) -> None:
+        """One router call's output (``router``: the module, for a packed forward)."""
         self.calls += 1
-        self._idx[layer].append(self._store(indices).long())
+        self._keep_idx(layer, router, self._store(indices).long())
         if self._record_logits:
-            self._logits[layer].append(self._store(logits))
+            self._keep_logits(layer, router, self._store(logits))
 
     @staticmethod
     def _cat(chunks: list[Tensor], width: int, dtype: torch.dtype) -> Tensor:
@@ -160,7 +272,7 @@ def capture_routing(
             if _in_backward():
                 return
             logits, _, indices = unpack_router_output(output, layer)
-            recorder._record(layer, logits, indices)
+            recorder._record(layer, logits, indices, module)
 
         return hook
 
@@ -265,7 +377,8 @@ def replay_routing(model: nn.Module, indices: Sequence[Tensor]) -> Iterator[Rout
     def make_hook(layer: int) -> Callable[[nn.Module, Any, Any], tuple[Tensor, Tensor, Tensor]]:
         def hook(module: nn.Module, args: Any, output: Any) -> tuple[Tensor, Tensor, Tensor]:
             logits, _, routed = unpack_router_output(output, layer)
-            expected = tuple(routed.shape)
+            layout = packed_of(module)
+            expected = (layout.tokens if layout else routed.shape[0], routed.shape[1])
             given = tuple(replayer.indices[layer].shape)
             if given != expected:
                 raise ValueError(
@@ -274,6 +387,8 @@ def replay_routing(model: nn.Module, indices: Sequence[Tensor]) -> Iterator[Rout
                     f"shape {given}; record and replay need the same (B, T) layout"
                 )
             idx = replayer._get(layer, routed.device, routed.dtype)
+            if layout is not None:
+                idx = layout.to_call(idx, module)
             replayer.calls += 1
             return logits, gate_fn(module, logits, idx), idx
 
