@@ -5,8 +5,15 @@ steps in its own child process, arms alternating (A B B A ...). Reported per arm
 wall time of the steps after the first (``time/step_s``) and the peak resident memory (VmHWM)
 of the child; the ratio to the dense arm is what issue 16 bounds (≤ 2.5×, ≤ 16 GB).
 
+An arm ``<model>@plain`` runs the step without shared-prompt packing, the lean passes and the
+lean decode (the path MoE policies took before they were covered), beside the default one. The
+arm ``deep128`` is not the default job but the deep_moe_128 testbed's
+(``configs/moe/deep128_compare.yaml``: byte tokenizer, 16 layers, 128 experts, top-8).
+
     python -m benchmarks.bench_upcycle_cost                    # dense, e8k2, e4k2 (~10 min)
     python -m benchmarks.bench_upcycle_cost --arms dense 'experts=8&top_k=2' --steps 3
+    python -m benchmarks.bench_upcycle_cost --arms dense 'experts=4&top_k=2' \
+        'experts=4&top_k=2@plain' deep128 deep128@plain --tag paths
 
 Writes benchmarks/results/upcycle_cost.{json,md}.
 """
@@ -25,8 +32,32 @@ from benchmarks.common import abba, child_main, machine, median, run_child, writ
 DENSE = "smollm2-135m-instruct"
 
 
+PLAIN = ["logprob_packing=false", "lean_forward=false", "rollout.fast_decode=false"]
+
+
+DEEP128 = ("moe/deep_moe", ["model=sft:deep_moe_128?steps=700", "optim.lr=1e-4"])
+
+
 def model_name(arm: str) -> str:
+    arm = arm.split("@")[0]
+    if arm == "deep128":
+        return DEEP128[1][0].split("=", 1)[1]
     return DENSE if arm == "dense" else f"upcycle:{DENSE}?{arm}"
+
+
+def job(arm: str) -> tuple[str | None, list[str]]:
+    """The arm's config file (None: the default job) and its overrides."""
+    if arm.split("@")[0] == "deep128":
+        return DEEP128[0], [*DEEP128[1], *path_overrides(arm)]
+    return None, [f"model={model_name(arm)}", *path_overrides(arm)]
+
+
+def path_overrides(arm: str) -> list[str]:
+    """``@plain``: :data:`PLAIN`; no suffix: the defaults."""
+    path = arm.split("@")[1] if "@" in arm else ""
+    if path not in ("", "plain"):
+        raise SystemExit(f"bench_upcycle_cost: arm {arm!r}: unknown path {path!r} (plain)")
+    return PLAIN if path else []
 
 
 def run_arm(spec: dict[str, Any]) -> dict[str, Any]:
@@ -38,10 +69,12 @@ def run_arm(spec: dict[str, Any]) -> dict[str, Any]:
 
     torch.set_num_threads(spec["threads"])
     with tempfile.TemporaryDirectory() as out:
-        cfg = load_config(None, [f"model={model_name(spec['arm'])}", f"steps={spec['steps']}",
+        base, overrides = job(spec["arm"])
+        cfg = load_config(base, [*overrides, f"steps={spec['steps']}",
                                  f"output_dir={out}", "run_name=bench", "eval_before=false",
-                                 "task.eval_size=0", "progress=false", "tensorboard=false",
-                                 f"num_threads={spec['threads']}", "logging.samples_every=0"])
+                                 "eval_every=0", "task.eval_size=0", "progress=false",
+                                 "tensorboard=false", f"num_threads={spec['threads']}",
+                                 "logging.samples_every=0"])
         Trainer(cfg).setup().train()
         rows = [json.loads(x) for x in (Path(out) / "bench" / "metrics.jsonl").read_text()
                 .splitlines() if x.strip()]
@@ -61,7 +94,10 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--reps", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--tag", default="", help="results file suffix (upcycle_cost_<tag>)")
     args = ap.parse_args(argv)
+    for arm in args.arms:
+        path_overrides(arm)
     runs: dict[str, list[dict[str, Any]]] = {a: [] for a in args.arms}
     for arm in abba(args.arms, args.reps):
         res = run_child("benchmarks.bench_upcycle_cost",
@@ -72,21 +108,30 @@ def main(argv: list[str]) -> None:
     summary = {}
     for arm, rs in runs.items():
         later = [s for r in rs for s in r["step_s"][1:]] or [s for r in rs for s in r["step_s"]]
-        summary[arm] = {"model": model_name(arm), "step_s_median": median(later),
+        summary[arm] = {"model": model_name(arm), "path": " ".join(path_overrides(arm)),
+                        "step_s_median": median(later),
+                        "rollout_s_median": median([x for r in rs for x in r["rollout_s"][1:]]
+                                                   or [x for r in rs for x in r["rollout_s"]]),
+                        "update_s_median": median([x for r in rs for x in r["update_s"][1:]]
+                                                  or [x for r in rs for x in r["update_s"]]),
                         "peak_rss_gib": max(r["peak_rss_mb"] for r in rs) / 1024}
     base = summary.get("dense", {}).get("step_s_median")
     rows = []
-    for s in summary.values():
-        s["vs_dense"] = s["step_s_median"] / base if base else None
+    for arm, s in summary.items():
+        default_job = job(arm)[0] is None
+        s["vs_dense"] = s["step_s_median"] / base if base and default_job else None
         ratio = f"{s['vs_dense']:.2f}×" if s["vs_dense"] else "—"
-        rows.append(f"| `{s['model']}` | {s['step_s_median']:.1f} | {ratio} | "
+        rows.append(f"| `{s['model']}` | {s['path'] or 'default'} | {s['step_s_median']:.1f} | "
+                    f"{s['rollout_s_median']:.1f} | {s['update_s_median']:.1f} | {ratio} | "
                     f"{s['peak_rss_gib']:.2f} |")
     cmd = "python -m benchmarks.bench_upcycle_cost " + " ".join(argv)
-    header = (f"# RL step of the default job: dense vs upcycled SmolLM2\n\n`{cmd}` "
+    header = (f"# RL step of the default job: dense vs upcycled SmolLM2 (MoE paths)\n\n`{cmd}` "
               f"({args.threads} thread(s), {args.steps} steps per arm, median of steps after "
-              "the first)\n\n| model | step s | vs dense | peak RSS GiB |\n|---|---|---|---|")
-    write_result("upcycle_cost", {"machine": machine(), "args": vars(args), "runs": runs,
-                                  "summary": summary}, header, rows)
+              "the first)\n\n| model | path | step s | rollout s | update s | vs dense | "
+              "peak RSS GiB |\n|---|---|---|---|---|---|---|")
+    name = "upcycle_cost" + (f"_{args.tag}" if args.tag else "")
+    write_result(name, {"machine": machine(), "args": vars(args), "runs": runs,
+                        "summary": summary}, header, rows)
 
 
 if __name__ == "__main__":
