@@ -35,6 +35,7 @@ __all__ = [
     "packed_routing",
     "replay_routing",
     "select_sequences",
+    "translated",
     "unpack_router_output",
 ]
 
