@@ -195,7 +195,8 @@ class _Linear:
 
 
 def _fused_bytes(layer: nn.Module) -> int:
-    """Bytes of a layer's q/k/v and gate/up weights (a sparse layer: one expert's gate/up)."""
+    """Bytes of a layer's q/k/v and gate/up weights (a sparse layer: q/k/v and half of one
+    expert's weights, the size class of its gate/up; only compared with FUSE_MAX_BYTES)."""
     attn, mlp = layer.self_attn, layer.mlp
     qkv = sum(p.weight.numel() * p.weight.element_size()
               for p in (attn.q_proj, attn.k_proj, attn.v_proj))
@@ -203,7 +204,7 @@ def _fused_bytes(layer: nn.Module) -> int:
         experts = mlp.experts
         weights = [w for w in experts.parameters() if w.dim() == 3] or list(experts.parameters())
         return qkv + sum(w.numel() * w.element_size() for w in weights) // (
-            2 * max(int(getattr(experts, "num_experts", 1)), 1))  # gate/up: ~half of its weights
+            2 * max(int(getattr(experts, "num_experts", 1)), 1))
     return qkv + sum(p.weight.numel() * p.weight.element_size()
                      for p in (mlp.gate_proj, mlp.up_proj))
 
