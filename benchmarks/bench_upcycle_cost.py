@@ -35,21 +35,20 @@ DENSE = "smollm2-135m-instruct"
 PLAIN = ["logprob_packing=false", "lean_forward=false", "rollout.fast_decode=false"]
 
 
-DEEP128 = ("moe/deep_moe", ["model=sft:deep_moe_128?steps=700", "optim.lr=1e-4"])
+DEEP128 = "sft:deep_moe_128?steps=700"  # the job of configs/moe/deep128_compare.yaml
 
 
 def model_name(arm: str) -> str:
     arm = arm.split("@")[0]
     if arm == "deep128":
-        return DEEP128[1][0].split("=", 1)[1]
+        return DEEP128
     return DENSE if arm == "dense" else f"upcycle:{DENSE}?{arm}"
 
 
 def job(arm: str) -> tuple[str | None, list[str]]:
     """The arm's config file (None: the default job) and its overrides."""
-    if arm.split("@")[0] == "deep128":
-        return DEEP128[0], [*DEEP128[1], *path_overrides(arm)]
-    return None, [f"model={model_name(arm)}", *path_overrides(arm)]
+    base, extra = ("moe/deep_moe", ["optim.lr=1e-4"]) if model_name(arm) == DEEP128 else (None, [])
+    return base, [f"model={model_name(arm)}", *extra, *path_overrides(arm)]
 
 
 def path_overrides(arm: str) -> list[str]:
@@ -105,15 +104,15 @@ def main(argv: list[str]) -> None:
         runs[arm].append(res)
         print(f"{arm}: steps {[round(s, 1) for s in res['step_s']]} s, "
               f"peak {res['peak_rss_mb'] / 1024:.2f} GiB", flush=True)
+    def after_first(rs: list[dict[str, Any]], key: str) -> float:
+        """Median of every child's ``key`` times after its first step (all, if one step)."""
+        return median([x for r in rs for x in r[key][1:]] or [x for r in rs for x in r[key]])
+
     summary = {}
     for arm, rs in runs.items():
-        later = [s for r in rs for s in r["step_s"][1:]] or [s for r in rs for s in r["step_s"]]
         summary[arm] = {"model": model_name(arm), "path": " ".join(path_overrides(arm)),
-                        "step_s_median": median(later),
-                        "rollout_s_median": median([x for r in rs for x in r["rollout_s"][1:]]
-                                                   or [x for r in rs for x in r["rollout_s"]]),
-                        "update_s_median": median([x for r in rs for x in r["update_s"][1:]]
-                                                  or [x for r in rs for x in r["update_s"]]),
+                        **{f"{k}_median": after_first(rs, k)
+                           for k in ("step_s", "rollout_s", "update_s")},
                         "peak_rss_gib": max(r["peak_rss_mb"] for r in rs) / 1024}
     base = summary.get("dense", {}).get("step_s_median")
     rows = []
