@@ -6,10 +6,10 @@ from __future__ import annotations
 import copy
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -32,10 +32,11 @@ FAST = [("ddp", "gspo", "tiny:llama"), ("fsdp2", "grpo", "tiny:qwen3_moe")]
 MB_SEED = 3  # a permutation where one minibatch holds rows of rank 0 only (checked below)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# No port is picked by the test: asking the OS for a free port and closing it leaves a window
+# in which another process can take it. The spawned ranks meet through a file in tmp_path;
+# torchrun's --standalone binds a free port itself. A hung collective fails after TIMEOUT
+# instead of holding the lane.
+TIMEOUT = timedelta(minutes=5)
 
 
 def _objective(name: str) -> ObjectiveConfig:
@@ -93,10 +94,10 @@ def _rows(batch: UpdateBatch, lo: int, hi: int) -> UpdateBatch:
     return batch.rows(torch.arange(lo, hi))
 
 
-def _worker(rank: int, port: int, out_dir: str, combos: list) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _worker(rank: int, out_dir: str, combos: list) -> None:
     torch.set_num_threads(1)
-    tdist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    tdist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank,
+                             world_size=WORLD, timeout=TIMEOUT)
     results = {}
     for strategy, obj_name, model_name in combos:
         objective = _objective(obj_name)
@@ -140,7 +141,7 @@ def test_minibatch_seed_leaves_one_rank_without_rows():
 
 
 def _check_two_ranks(tmp_path, combos):
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path), combos), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(str(tmp_path), combos), nprocs=WORLD, join=True)
     results = json.loads((tmp_path / "results.json").read_text())
     assert len(results) == len(combos)
     for name, r in results.items():
@@ -238,7 +239,7 @@ def test_a_train_step_under_torchrun_matches_one_process(tmp_path):
     multi = [f"{s}:{s}:{m}" for s, m in JOBS]
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD),
-         "--master_port", str(_free_port()), str(script), str(tmp_path), *multi],
+         "--standalone", str(script), str(tmp_path), *multi],
         env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "terminate called" not in proc.stderr
@@ -271,7 +272,7 @@ def test_gspo_train_under_torchrun_checkpoints_on_rank_0_and_resumes_in_one_proc
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD),
-         "--master_port", str(_free_port()), "-m", "gspo", "train", *common, "steps=2",
+         "--standalone", "-m", "gspo", "train", *common, "steps=2",
          "dist.strategy=fsdp2"], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "terminate called" not in proc.stderr
