@@ -18,6 +18,9 @@ benchmark's, configured the same way. Arms (``--arms``), each with its thread co
   THP mode is ``madvise``, so nothing else gets them); ``sync-jemalloc@1``, ``sync-jemalloc@2``,
   ``sync-tcmalloc@1``, ``sync-tcmalloc@2``: every ``malloc`` through jemalloc / tcmalloc
   (``LD_PRELOAD``; Debian's ``libjemalloc2`` / ``libtcmalloc-minimal4``) instead of glibc's.
+  ``sync-bind@1``, ``sync-bind@2``: ``OMP_PROC_BIND=close OMP_PLACES=cores`` (GNU OpenMP
+  pins each torch thread, the main one included, to its own core for the child's life: no
+  migration between cores, each thread's cache stays warm).
   Every gspo arm also records its kernel (sys) CPU time and minor page faults a step;
 - ``async1@1+1``, ``async2@1+1``: ``rollout.async_steps=1`` / ``2``, the trainer on 1 thread and
   the engine process on 1 (``rollout.async_threads=1``): 2 cores in all; the engine also runs
@@ -69,6 +72,9 @@ ARMS: dict[str, tuple[str, int, int, list[str]]] = {
     "sync-jemalloc@2": ("gspo", 2, 0, []),
     "sync-tcmalloc@1": ("gspo", 1, 0, []),
     "sync-tcmalloc@2": ("gspo", 2, 0, []),
+    # OpenMP threads pinned one to a core (OMP_PROC_BIND / OMP_PLACES, ARM_ENV)
+    "sync-bind@1": ("gspo", 1, 0, []),
+    "sync-bind@2": ("gspo", 2, 0, []),
     "async1@1+1": ("gspo", 1, 1, ["rollout.async_steps=1", "rollout.async_threads=1"]),
     "async2@1+1": ("gspo", 1, 1, ["rollout.async_steps=2", "rollout.async_threads=1"]),
     "trl@1": ("trl", 1, 0, []),
@@ -85,11 +91,13 @@ ARM_ENV: dict[str, dict[str, str]] = {
     "sync-spin@2": {"OMP_WAIT_POLICY": "ACTIVE"},
     "sync-thp@1": {"THP_MEM_ALLOC_ENABLE": "1"}, "sync-thp@2": {"THP_MEM_ALLOC_ENABLE": "1"},
     **{f"sync-{name}@{t}": {"LD_PRELOAD": lib} for name, (lib, _) in ALLOCATORS.items()
-       for t in (1, 2)}}
+       for t in (1, 2)},
+    **{f"sync-bind@{t}": {"OMP_PROC_BIND": "close", "OMP_PLACES": "cores"} for t in (1, 2)}}
 # Variants of the sync arms compared with sync@1 / sync@2 (sync-<variant>@<threads>): their own
 # thread scaling and their speed against the default at each thread count.
 VARIANTS = {"compile": "compile_layers", "thp": "THP_MEM_ALLOC_ENABLE=1",
-            "jemalloc": "jemalloc (LD_PRELOAD)", "tcmalloc": "tcmalloc (LD_PRELOAD)"}
+            "jemalloc": "jemalloc (LD_PRELOAD)", "tcmalloc": "tcmalloc (LD_PRELOAD)",
+            "bind": "OMP_PROC_BIND=close OMP_PLACES=cores"}
 
 
 def total_threads(arm: str) -> int:

@@ -227,3 +227,23 @@ def test_async_summary_states_compiled_layers_against_eager():
                                         "update": 1}, {"1": 1.0, "2": 2.0})
     assert any(r.startswith("- compile_layers vs default @2: step 1.60× faster") for r in rows)
     assert bench_async.ARM_ENV["sync-thp@1"] == {"THP_MEM_ALLOC_ENABLE": "1"}
+
+
+def test_async_bind_arms_pin_the_openmp_threads():
+    """bench_async's sync-bind arms: their children get GNU OpenMP's binding variables, and
+    the summary gives their thread scaling and their speed against the default arm."""
+    from benchmarks import bench_async
+
+    for t in (1, 2):
+        assert bench_async.ARM_ENV[f"sync-bind@{t}"] == {"OMP_PROC_BIND": "close",
+                                                          "OMP_PLACES": "cores"}
+        assert bench_async.total_threads(f"sync-bind@{t}") == t
+    s = bench_async.summarize([_arm("sync@1", 12.0, 3.0), _arm("sync@2", 8.0, 2.0),
+                               _arm("sync-bind@1", 12.0, 3.0), _arm("sync-bind@2", 6.0, 2.0)],
+                              0, {"total": 1e9}, {"1": 1.0, "2": 2.0})
+    assert s["thread_scaling_bind"]["step_s"] == 2.0
+    assert s["bind_over_sync"]["@2"]["step_s"] == 8.0 / 6.0
+    _, rows = bench_async.table("m", s, {"total": 1e9, "rollout": 1, "old_logprobs": 1,
+                                        "update": 1}, {"1": 1.0, "2": 2.0})
+    assert any(r.startswith("- OMP_PROC_BIND=close OMP_PLACES=cores vs default @2: step 1.33×")
+               for r in rows)
