@@ -4,7 +4,10 @@ sampled response over step windows, as paired differences.
 Run folders are named ``<arm>_s<seed>`` (as ``gspo compare`` names them, or copied into a
 ``run_metrics`` folder with ``metrics.jsonl.gz``). Only seeds that both arms ran are paired.
 A paired difference is the mean over seeds of (A − B), ± its standard error (sample standard
-deviation / √n), with the number of seeds on which A is higher:
+deviation / √n), with the number of seeds on which A is higher and an exact two-sided sign-flip
+(paired permutation) p-value: the share of the 2^n ways of flipping the signs of the n
+differences whose mean is at least as far from 0 as the one observed. It assumes nothing about
+the differences' distribution; with n seeds it cannot go below 2 / 2^n (0.25 at 3 seeds):
 
     python scripts/paired_by_seed.py results/moe_deep128_long/run_metrics gspo grpo \\
         --windows 1-100,101-200,201-300
@@ -13,6 +16,7 @@ deviation / √n), with the number of seeds on which A is higher:
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import runpy
 import statistics
@@ -43,11 +47,21 @@ def window_reward(rows: list[dict[str, Any]], lo: int, hi: int) -> float:
     return statistics.mean(vals) if vals else float("nan")
 
 
-def paired(a: list[float], b: list[float]) -> tuple[float, float, int]:
-    """(mean of a − b, its standard error, how many a > b)."""
+def paired(a: list[float], b: list[float]) -> tuple[float, float, int, float]:
+    """(mean of a − b, its standard error, how many a > b, sign-flip p-value)."""
     d = [x - y for x, y in zip(a, b)]
     se = statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else float("nan")
-    return statistics.mean(d), se, sum(x > 0 for x in d)
+    return statistics.mean(d), se, sum(x > 0 for x in d), sign_flip_p(d)
+
+
+def sign_flip_p(d: list[float]) -> float:
+    """Exact two-sided sign-flip p-value of the mean of the paired differences ``d``."""
+    if len(d) > 20:
+        raise ValueError(f"sign_flip_p enumerates 2^n sign patterns; {len(d)} pairs is too many")
+    observed = abs(sum(d)) - 1e-12 * (1 + sum(abs(x) for x in d))  # ties count as extreme
+    hits = sum(abs(sum(s * x for s, x in zip(signs, d))) >= observed
+               for signs in itertools.product((1, -1), repeat=len(d)))
+    return hits / 2 ** len(d)
 
 
 def table(root: Path, a: str, b: str, windows: list[tuple[int, int]]) -> list[str]:
@@ -56,21 +70,22 @@ def table(root: Path, a: str, b: str, windows: list[tuple[int, int]]) -> list[st
     if not seeds:
         raise SystemExit(f"no seed that both {a} and {b} ran under {root}")
     lines = [f"Seeds paired: {', '.join(map(str, seeds))} ({len(seeds)}).", "",
-             f"| quantity | {a} | {b} | {a} − {b} (± s.e.) | seeds {a} higher |",
-             "|---|---|---|---|---|"]
+             f"| quantity | {a} | {b} | {a} − {b} (± s.e.) | seeds {a} higher | p (sign flip) |",
+             "|---|---|---|---|---|---|"]
     ea, eb = ({s: evals(r[s]) for s in seeds} for r in (ra, rb))
     for step in sorted(set.intersection(*(set(ea[s]) & set(eb[s]) for s in seeds))):
         x, y = [ea[s][step] for s in seeds], [eb[s][step] for s in seeds]
-        m, se, n = paired(x, y)
+        m, se, n, pv = paired(x, y)
         lines.append(f"| held-out at step {step} | {statistics.mean(x):.1%} | "
                      f"{statistics.mean(y):.1%} | {100 * m:+.1f} ± {100 * se:.1f} points | "
-                     f"{n} of {len(seeds)} |")
+                     f"{n} of {len(seeds)} | {pv:.2f} |")
     for lo, hi in windows:
         x = [window_reward(ra[s], lo, hi) for s in seeds]
         y = [window_reward(rb[s], lo, hi) for s in seeds]
-        m, se, n = paired(x, y)
+        m, se, n, pv = paired(x, y)
         lines.append(f"| reward per sampled response, steps {lo}–{hi} | {statistics.mean(x):.3f} | "
-                     f"{statistics.mean(y):.3f} | {m:+.3f} ± {se:.3f} | {n} of {len(seeds)} |")
+                     f"{statistics.mean(y):.3f} | {m:+.3f} ± {se:.3f} | {n} of {len(seeds)} | "
+                     f"{pv:.2f} |")
     return lines
 
 

@@ -30,11 +30,25 @@ def test_pairs_only_seeds_both_arms_ran(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "Seeds paired: 0, 1, 2 (3)." in out
     row = next(x for x in out.splitlines() if x.startswith("| held-out at step 20 "))
-    # differences +10, +30, −10 points: mean +10, s.d. 20, s.e. 20/√3 = 11.5
-    assert "| 60.0% | 50.0% | +10.0 ± 11.5 points | 2 of 3 |" in row
+    # differences +10, +30, −10 points: mean +10, s.d. 20, s.e. 20/√3 = 11.5; of the 8 sign
+    # patterns, 6 give |sum| ≥ 30 (±50 and the four ±30s): p = 0.75
+    assert "| 60.0% | 50.0% | +10.0 ± 11.5 points | 2 of 3 | 0.75 |" in row
     row = next(x for x in out.splitlines() if "steps 11–20" in x)
-    assert "| 0.500 | 0.400 | +0.100 ± 0.058 | 2 of 3 |" in row
+    # differences 0, 0.1, 0.2: |±0.1 ± 0.2| ≥ 0.3 for 4 of the 8 patterns
+    assert "| 0.500 | 0.400 | +0.100 ± 0.058 | 2 of 3 | 0.50 |" in row
     with pytest.raises(SystemExit, match="--windows"):
         main([str(tmp_path), "x", "y", "--windows", "20-10"])
     with pytest.raises(SystemExit, match="no seed that both x and z ran"):
         main([str(tmp_path), "x", "z"])
+
+
+def test_sign_flip_p_is_exact():
+    sign_flip_p = runpy.run_path(str(SCRIPT), run_name="not_main")["sign_flip_p"]
+    assert sign_flip_p([1.0] * 5) == 2 / 32  # all five one way: only all-plus and all-minus
+    assert sign_flip_p([1.0, -1.0]) == 1.0
+    assert sign_flip_p([0.3, 0.1, 0.2, 0.4]) == 2 / 16
+    assert sign_flip_p([3.0, 1.0, 1.0, 1.0]) == 2 / 16  # no other pattern reaches |sum| 6
+    # observed sum 2: every pattern but the C(4, 2) = 6 with sum 0 is as extreme
+    assert sign_flip_p([1.0, 1.0, -1.0, 1.0]) == 10 / 16
+    with pytest.raises(ValueError, match="too many"):
+        sign_flip_p([1.0] * 21)
