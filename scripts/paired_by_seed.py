@@ -11,6 +11,8 @@ the differences' distribution; with n seeds it cannot go below 2 / 2^n (0.25 at 
 
     python scripts/paired_by_seed.py results/moe_deep128_long/run_metrics gspo grpo \\
         --windows 1-100,101-200,201-300
+    python scripts/paired_by_seed.py results/moe_upcycled_lr3e-5/run_metrics grpo_r2 grpo \\
+        --windows 1-60 --change 1-10:51-60 --seeds 4,5,6
 """
 
 from __future__ import annotations
@@ -64,11 +66,14 @@ def sign_flip_p(d: list[float]) -> float:
     return hits / 2 ** len(d)
 
 
-def table(root: Path, a: str, b: str, windows: list[tuple[int, int]]) -> list[str]:
+def table(root: Path, a: str, b: str, windows: list[tuple[int, int]],
+          change: tuple[tuple[int, int], tuple[int, int]] | None = None,
+          only: set[int] | None = None) -> list[str]:
     ra, rb = arm_runs(root, a), arm_runs(root, b)
-    seeds = sorted(set(ra) & set(rb))
+    seeds = sorted(set(ra) & set(rb) & (only if only is not None else set(ra)))
     if not seeds:
-        raise SystemExit(f"no seed that both {a} and {b} ran under {root}")
+        raise SystemExit(f"no seed that both {a} and {b} ran under {root}"
+                         + (f" among --seeds {sorted(only)}" if only is not None else ""))
     lines = [f"Seeds paired: {', '.join(map(str, seeds))} ({len(seeds)}).", "",
              f"| quantity | {a} | {b} | {a} − {b} (± s.e.) | seeds {a} higher | p (sign flip) |",
              "|---|---|---|---|---|---|"]
@@ -86,7 +91,28 @@ def table(root: Path, a: str, b: str, windows: list[tuple[int, int]]) -> list[st
         lines.append(f"| reward per sampled response, steps {lo}–{hi} | {statistics.mean(x):.3f} | "
                      f"{statistics.mean(y):.3f} | {m:+.3f} ± {se:.3f} | {n} of {len(seeds)} | "
                      f"{pv:.2f} |")
+    if change:  # the run's trend: does it end above or below where it started?
+        (l0, h0), (l1, h1) = change
+        ca, cb = ([window_reward(r[s], l1, h1) - window_reward(r[s], l0, h0) for s in seeds]
+                  for r in (ra, rb))
+        m, se, n, pv = paired(ca, cb)
+        lines.append(f"| reward change, steps {l1}–{h1} minus {l0}–{h0} | "
+                     f"{statistics.mean(ca):+.3f} | {statistics.mean(cb):+.3f} | "
+                     f"{m:+.3f} ± {se:.3f} | {n} of {len(seeds)} | {pv:.2f} |")
+        lines.append("")
+        for arm, c in ((a, ca), (b, cb)):
+            down = [s for s, x in zip(seeds, c) if x < 0]
+            lines.append(f"{arm}: sampled reward in steps {l1}–{h1} below steps {l0}–{h0} on "
+                         f"{len(down)} of {len(seeds)} seeds"
+                         + (f" ({', '.join(map(str, down))})" if down else "") + ".")
     return lines
+
+
+def _window(text: str, flag: str) -> tuple[int, int]:
+    lo, sep, hi = text.partition("-")
+    if not (sep and lo.isdigit() and hi.isdigit() and int(lo) <= int(hi)):
+        raise SystemExit(f"{flag}: expected LO-HI, got {text!r}")
+    return int(lo), int(hi)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,14 +122,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("b", help="arm B")
     p.add_argument("--windows", default="1-100",
                    help="step windows for the reward, e.g. 1-100,101-200 (default 1-100)")
+    p.add_argument("--change", default=None, metavar="LO-HI:LO-HI",
+                   help="also the change of the reward from the first window to the second, "
+                        "e.g. 1-10:51-60, paired, and the seeds on which each arm ends lower")
+    p.add_argument("--seeds", default=None,
+                   help="pair only these seeds, e.g. 4,5,6 (default: every seed both ran)")
     args = p.parse_args(argv)
-    windows = []
-    for w in args.windows.split(","):
-        lo, sep, hi = w.partition("-")
-        if not (sep and lo.isdigit() and hi.isdigit() and int(lo) <= int(hi)):
-            raise SystemExit(f"--windows: expected LO-HI[,LO-HI...], got {args.windows!r}")
-        windows.append((int(lo), int(hi)))
-    print("\n".join(table(Path(args.runs), args.a, args.b, windows)))
+    windows = [_window(w, "--windows") for w in args.windows.split(",")]
+    change = None
+    if args.change is not None:
+        first, sep, second = args.change.partition(":")
+        if not sep:
+            raise SystemExit(f"--change: expected LO-HI:LO-HI, got {args.change!r}")
+        change = (_window(first, "--change"), _window(second, "--change"))
+    only = None
+    if args.seeds is not None:
+        if not all(x.strip().isdigit() for x in args.seeds.split(",")):
+            raise SystemExit(f"--seeds: expected seeds like 4,5,6, got {args.seeds!r}")
+        only = {int(x) for x in args.seeds.split(",")}
+    print("\n".join(table(Path(args.runs), args.a, args.b, windows, change, only)))
     return 0
 
 

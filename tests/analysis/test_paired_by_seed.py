@@ -12,10 +12,13 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "paired_by_seed.py"
 
 
-def _run(folder: Path, acc: list[float], reward: float) -> None:
+def _run(folder: Path, acc: list[float], reward: float, late: float | None = None) -> None:
+    """A run's metrics: evaluations every 10 steps; reward ``reward`` over steps 1–20, or
+    ``late`` instead over steps 11–20."""
     folder.mkdir(parents=True)
     rows = [{"step": 10 * i, "eval/accuracy": a} for i, a in enumerate(acc)]
-    rows += [{"step": s, "reward/mean": reward} for s in range(1, 21)]
+    rows += [{"step": s, "reward/mean": late if late is not None and s > 10 else reward}
+             for s in range(1, 21)]
     (folder / "metrics.jsonl.gz").write_bytes(
         gzip.compress("".join(json.dumps(r) + "\n" for r in rows).encode()))
 
@@ -36,6 +39,18 @@ def test_pairs_only_seeds_both_arms_ran(tmp_path, capsys):
     row = next(x for x in out.splitlines() if "steps 11–20" in x)
     # differences 0, 0.1, 0.2: |±0.1 ± 0.2| ≥ 0.3 for 4 of the 8 patterns
     assert "| 0.500 | 0.400 | +0.100 ± 0.058 | 2 of 3 | 0.50 |" in row
+    main([str(tmp_path), "x", "y", "--windows", "1-20", "--change", "1-10:11-20",
+          "--seeds", "1,2,7"])
+    out = capsys.readouterr().out
+    assert "Seeds paired: 1, 2 (2)." in out
+    # every run's reward is flat, so each arm's change is 0 and ends lower on no seed
+    row = next(x for x in out.splitlines() if x.startswith("| reward change"))
+    assert "steps 11–20 minus 1–10 | +0.000 | +0.000 | +0.000 ± 0.000 | 0 of 2 | 1.00 |" in row
+    assert "x: sampled reward in steps 11–20 below steps 1–10 on 0 of 2 seeds." in out
+    with pytest.raises(SystemExit, match="--change"):
+        main([str(tmp_path), "x", "y", "--change", "1-10"])
+    with pytest.raises(SystemExit, match="among --seeds"):
+        main([str(tmp_path), "x", "y", "--seeds", "9"])
     with pytest.raises(SystemExit, match="--windows"):
         main([str(tmp_path), "x", "y", "--windows", "20-10"])
     with pytest.raises(SystemExit, match="no seed that both x and z ran"):
@@ -52,3 +67,17 @@ def test_sign_flip_p_is_exact():
     assert sign_flip_p([1.0, 1.0, -1.0, 1.0]) == 10 / 16
     with pytest.raises(ValueError, match="too many"):
         sign_flip_p([1.0] * 21)
+
+
+def test_change_counts_the_runs_that_end_below_their_start(tmp_path, capsys):
+    for seed, (early, late) in enumerate([(0.4, 0.2), (0.3, 0.1), (0.5, 0.6)]):
+        _run(tmp_path / f"x_s{seed}", [0.5], reward=early, late=late)
+        _run(tmp_path / f"y_s{seed}", [0.5], reward=early, late=early + 0.1)
+    main = runpy.run_path(str(SCRIPT), run_name="not_main")["main"]
+    main([str(tmp_path), "y", "x", "--windows", "1-20", "--change", "1-10:11-20"])
+    out = capsys.readouterr().out
+    row = next(x for x in out.splitlines() if x.startswith("| reward change"))
+    # changes: y +0.1 each; x −0.2, −0.2, +0.1; y − x: +0.3, +0.3, 0.0 -> mean +0.2, s.e. 0.1
+    assert "| +0.100 | -0.100 | +0.200 ± 0.100 | 2 of 3 | 0.50 |" in row
+    assert "y: sampled reward in steps 11–20 below steps 1–10 on 0 of 3 seeds." in out
+    assert "x: sampled reward in steps 11–20 below steps 1–10 on 2 of 3 seeds (0, 1)." in out
