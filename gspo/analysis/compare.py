@@ -11,6 +11,7 @@ are written by :mod:`gspo.analysis.report`.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import gc
 import json
 import shutil
@@ -126,17 +127,27 @@ def _release(trainer: Trainer) -> None:
 
 def run_probe(spec: CompareSpec, seed: int, runs_dir: Path, extra: list[str],
               log: Callable[[str], None]) -> dict[str, Any]:
-    cfg = spec.config(spec.arms[0], seed, runs_dir, extra)
+    """The routing probe of ``seed`` (:func:`first_update_probe`), run once per runs folder.
+
+    It runs with the config of the file's first arm (``spec.probe_arm``) whichever arms this
+    process runs, and under an exclusive lock on ``probe_s<seed>.lock``: subsets of a
+    comparison started side by side into one runs folder (``--arms``) wait for the first one's
+    probe and reuse it instead of deleting it as unfinished or refusing it as another config.
+    """
+    cfg = spec.config(spec.probe_arm, seed, runs_dir, extra)
     # one update from the initial policy on a batch it sampled itself: no engine process
     # even when the arm runs one (rollout.async_steps), whose pipeline would hold no batch
     sync = dataclasses.replace(cfg.rollout, async_steps=0, async_threads=1)
     cfg = dataclasses.replace(cfg, run_name=f"probe_s{seed}", steps=0, eval_before=False,
                               rollout=sync)
     run_dir = Path(cfg.output_dir) / cfg.run_name
-    if _reusable(run_dir, cfg):
-        return json.loads((run_dir / DONE).read_text())
-    res = first_update_probe(cfg)
-    (run_dir / DONE).write_text(json.dumps(res, indent=2))
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    with open(run_dir.parent / f"{cfg.run_name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes (or the process dies)
+        if _reusable(run_dir, cfg):
+            return json.loads((run_dir / DONE).read_text())
+        res = first_update_probe(cfg)
+        (run_dir / DONE).write_text(json.dumps(res, indent=2))
     if res:
         log(f"probe seed {seed}: after one update {res['token_change']:.1%} of (token, layer) "
             f"changed expert set, {res['expert_change']:.1%} of chosen experts changed")

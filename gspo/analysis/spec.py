@@ -48,6 +48,9 @@ class CompareSpec:
     seeds: list[int]
     overrides: list[str]
     arms: list[Arm]
+    # the file's first arm, whichever subset ``--arms`` picked: the routing probe runs with its
+    # config, so subsets run as separate processes into one runs folder share a probe per seed
+    probe_arm: Arm
 
     def config(self, arm: Arm, seed: int, runs_dir: str | Path,
                extra: list[str] | tuple[str, ...] = ()) -> TrainConfig:
@@ -132,6 +135,7 @@ def load_spec(path: str | Path, *, quick: bool = False, arms: list[str] | None =
         if not base.is_file():
             raise ConfigError(f"{p}: base: file not found: {base}")
     all_arms = _arms(data["arms"], f"{p}: arms")
+    probe_arm = all_arms[0]
     spec_seeds = _seeds(data["seeds"], f"{p}: seeds")
     common = _overrides(data.get("overrides"), f"{p}: overrides")
     q = _mapping(data.get("quick") or {}, f"{p}: quick", QUICK_KEYS)
@@ -146,7 +150,7 @@ def load_spec(path: str | Path, *, quick: bool = False, arms: list[str] | None =
         all_arms = [a for a in all_arms if a.name in arms]
     if seeds is not None:
         spec_seeds = _seeds(seeds, "--seeds")
-    spec = CompareSpec(p, base, spec_seeds, common, all_arms)
+    spec = CompareSpec(p, base, spec_seeds, common, all_arms, probe_arm)
     for arm in spec.arms:
         spec.config(arm, spec.seeds[0], "runs")
     return spec

@@ -126,7 +126,8 @@ def test_quick_comparison_runs_every_arm_and_writes_table_and_plots(tmp_path, ca
 def test_quick_comparison_of_one_arm_and_seed(tmp_path):
     runs, out = _quick(tmp_path, "--arms", "grpo_r2", "--seeds", "0")
     assert (out / "results.md").is_file() and (out / "reward.png").read_bytes()[:8] == PNG
-    assert sorted(p.name for p in runs.iterdir()) == ["grpo_r2_s0", "probe_s0"]
+    # the probe's lock file stays: deleting it could let a waiting process lock a new file
+    assert sorted(p.name for p in runs.iterdir()) == ["grpo_r2_s0", "probe_s0", "probe_s0.lock"]
     # the same run folder with another config is not silently reused
     with pytest.raises(ConfigError, match="another config"):
         spec = load_spec(SPEC, quick=True, arms=["grpo_r2"], seeds=[0])
@@ -179,3 +180,35 @@ def test_the_routing_probe_of_an_async_arm_samples_in_process(tmp_path):
     res = run_probe(spec, 0, tmp_path, [], log=lambda s: None)
     assert 0.0 <= res["expert_change"] <= 1.0 and "token_change" in res
     assert (tmp_path / "probe_s0" / "compare.json").is_file()
+
+
+def test_subsets_of_arms_share_one_probe_per_seed(tmp_path):
+    """`--arms` subsets run as separate processes into one runs folder: the probe runs with the
+    file's first arm whichever subset runs it, so a later subset reuses it (it used to refuse it
+    as "another config"), and a subset whose probe is in progress elsewhere waits on its lock."""
+    import fcntl
+    import threading
+
+    from gspo.analysis.compare import run_probe
+
+    first = load_spec(SPEC, quick=True).arms[0].name
+    a, b = (load_spec(SPEC, quick=True, arms=[arm]) for arm in ("grpo", "grpo_r2"))
+    assert a.probe_arm.name == b.probe_arm.name == first != "grpo"
+
+    logs: list[str] = []
+    with open(tmp_path / "probe_s0.lock", "w") as held:  # another process's probe in progress
+        fcntl.flock(held, fcntl.LOCK_EX)
+        worker = threading.Thread(target=lambda: logs.append(
+            json.dumps(run_probe(a, 0, tmp_path, [], log=logs.append))))
+        worker.start()
+        worker.join(timeout=1.0)
+        assert worker.is_alive() and not (tmp_path / "probe_s0").exists()
+    worker.join()
+    res_a = json.loads(logs[-1])
+    assert any(x.startswith("probe seed 0:") for x in logs)
+    saved = yaml.safe_load((tmp_path / "probe_s0" / "config.yaml").read_text())
+    assert saved["run_name"] == "probe_s0" and 0.0 <= res_a["expert_change"] <= 1.0
+
+    later: list[str] = []
+    assert run_probe(b, 0, tmp_path, [], log=later.append) == res_a  # reused, not rerun
+    assert later == []
