@@ -7,7 +7,8 @@ A paired difference is the mean over seeds of (A − B), ± its standard error (
 deviation / √n), with the number of seeds on which A is higher and an exact two-sided sign-flip
 (paired permutation) p-value: the share of the 2^n ways of flipping the signs of the n
 differences whose mean is at least as far from 0 as the one observed. It assumes nothing about
-the differences' distribution; with n seeds it cannot go below 2 / 2^n (0.25 at 3 seeds):
+the differences' distribution; with n seeds it cannot go below 2 / 2^n (0.25 at 3 seeds); above
+20 seeds it is not computed (nan):
 
     python scripts/paired_by_seed.py results/moe_deep128_long/run_metrics gspo grpo \\
         --windows 1-100,101-200,201-300
@@ -53,7 +54,8 @@ def paired(a: list[float], b: list[float]) -> tuple[float, float, int, float]:
     """(mean of a − b, its standard error, how many a > b, sign-flip p-value)."""
     d = [x - y for x, y in zip(a, b)]
     se = statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else float("nan")
-    return statistics.mean(d), se, sum(x > 0 for x in d), sign_flip_p(d)
+    p = sign_flip_p(d) if len(d) <= 20 else float("nan")  # 2^n patterns: exact up to 20
+    return statistics.mean(d), se, sum(x > 0 for x in d), p
 
 
 def sign_flip_p(d: list[float]) -> float:

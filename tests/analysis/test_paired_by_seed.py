@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 import runpy
 from pathlib import Path
 
@@ -67,6 +68,9 @@ def test_sign_flip_p_is_exact():
     assert sign_flip_p([1.0, 1.0, -1.0, 1.0]) == 10 / 16
     with pytest.raises(ValueError, match="too many"):
         sign_flip_p([1.0] * 21)
+    paired = runpy.run_path(str(SCRIPT), run_name="not_main")["paired"]
+    assert paired([1.0] * 21, [0.0] * 21)[:3] == (1.0, 0.0, 21)  # p left out (nan), no error
+    assert math.isnan(paired([1.0] * 21, [0.0] * 21)[3])
 
 
 def test_change_counts_the_runs_that_end_below_their_start(tmp_path, capsys):
