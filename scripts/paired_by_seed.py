@@ -13,7 +13,9 @@ the differences' distribution; with n seeds it cannot go below 2 / 2^n (0.25 at 
     python scripts/paired_by_seed.py results/moe_deep128_long/run_metrics gspo grpo \\
         --windows 1-100,101-200,201-300
     python scripts/paired_by_seed.py results/moe_upcycled_lr3e-5/run_metrics grpo_r2 grpo \\
-        --windows 1-60 --change 1-10:51-60 --seeds 4,5,6
+        --windows 1-60 --change 1-10:51-60 --seeds 4,5,6 --plot paired.png
+
+``--plot`` draws each measure as one panel: a line per seed from arm B's value to arm A's.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import runpy
 import statistics
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 read_metrics = runpy.run_path(str(Path(__file__).with_name("partial_compare_table.py")),
                               run_name="not_main")["read_metrics"]
@@ -68,46 +70,104 @@ def sign_flip_p(d: list[float]) -> float:
     return hits / 2 ** len(d)
 
 
-def table(root: Path, a: str, b: str, windows: list[tuple[int, int]],
-          change: tuple[tuple[int, int], tuple[int, int]] | None = None,
-          only: set[int] | None = None) -> list[str]:
+class Quantity(NamedTuple):
+    """One measure of every paired seed: ``a[i]`` and ``b[i]`` belong to ``seeds[i]``."""
+    label: str
+    kind: str  # "held-out" (a share), "reward" or "change" (reward differences)
+    a: list[float]
+    b: list[float]
+
+
+def quantities(root: Path, a: str, b: str, windows: list[tuple[int, int]],
+               change: tuple[tuple[int, int], tuple[int, int]] | None = None,
+               only: set[int] | None = None) -> tuple[list[int], list[Quantity]]:
+    """The seeds both arms ran (within ``only``) and each measure on them: held-out accuracy at
+    every evaluation all of them share, reward per sampled response over each window, and with
+    ``change`` the reward's change from the first window to the second."""
     ra, rb = arm_runs(root, a), arm_runs(root, b)
     seeds = sorted(set(ra) & set(rb) & (only if only is not None else set(ra)))
     if not seeds:
         raise SystemExit(f"no seed that both {a} and {b} ran under {root}"
                          + (f" among --seeds {sorted(only)}" if only is not None else ""))
-    lines = [f"Seeds paired: {', '.join(map(str, seeds))} ({len(seeds)}).", "",
-             f"| quantity | {a} | {b} | {a} − {b} (± s.e.) | seeds {a} higher | p (sign flip) |",
-             "|---|---|---|---|---|---|"]
+    out = []
     ea, eb = ({s: evals(r[s]) for s in seeds} for r in (ra, rb))
     for step in sorted(set.intersection(*(set(ea[s]) & set(eb[s]) for s in seeds))):
-        x, y = [ea[s][step] for s in seeds], [eb[s][step] for s in seeds]
-        m, se, n, pv = paired(x, y)
-        lines.append(f"| held-out at step {step} | {statistics.mean(x):.1%} | "
-                     f"{statistics.mean(y):.1%} | {100 * m:+.1f} ± {100 * se:.1f} points | "
-                     f"{n} of {len(seeds)} | {pv:.2f} |")
+        out.append(Quantity(f"held-out at step {step}", "held-out",
+                            [ea[s][step] for s in seeds], [eb[s][step] for s in seeds]))
     for lo, hi in windows:
-        x = [window_reward(ra[s], lo, hi) for s in seeds]
-        y = [window_reward(rb[s], lo, hi) for s in seeds]
-        m, se, n, pv = paired(x, y)
-        lines.append(f"| reward per sampled response, steps {lo}–{hi} | {statistics.mean(x):.3f} | "
-                     f"{statistics.mean(y):.3f} | {m:+.3f} ± {se:.3f} | {n} of {len(seeds)} | "
-                     f"{pv:.2f} |")
+        out.append(Quantity(f"reward per sampled response, steps {lo}–{hi}", "reward",
+                            [window_reward(ra[s], lo, hi) for s in seeds],
+                            [window_reward(rb[s], lo, hi) for s in seeds]))
     if change:  # the run's trend: does it end above or below where it started?
         (l0, h0), (l1, h1) = change
         ca, cb = ([window_reward(r[s], l1, h1) - window_reward(r[s], l0, h0) for s in seeds]
                   for r in (ra, rb))
-        m, se, n, pv = paired(ca, cb)
-        lines.append(f"| reward change, steps {l1}–{h1} minus {l0}–{h0} | "
-                     f"{statistics.mean(ca):+.3f} | {statistics.mean(cb):+.3f} | "
-                     f"{m:+.3f} ± {se:.3f} | {n} of {len(seeds)} | {pv:.2f} |")
+        out.append(Quantity(f"reward change, steps {l1}–{h1} minus {l0}–{h0}", "change", ca, cb))
+    return seeds, out
+
+
+def table(root: Path, a: str, b: str, windows: list[tuple[int, int]],
+          change: tuple[tuple[int, int], tuple[int, int]] | None = None,
+          only: set[int] | None = None) -> list[str]:
+    seeds, qs = quantities(root, a, b, windows, change, only)
+    lines = [f"Seeds paired: {', '.join(map(str, seeds))} ({len(seeds)}).", "",
+             f"| quantity | {a} | {b} | {a} − {b} (± s.e.) | seeds {a} higher | p (sign flip) |",
+             "|---|---|---|---|---|---|"]
+    for q in qs:
+        m, se, n, pv = paired(q.a, q.b)
+        if q.kind == "held-out":
+            cells = (f"{statistics.mean(q.a):.1%} | {statistics.mean(q.b):.1%} | "
+                     f"{100 * m:+.1f} ± {100 * se:.1f} points")
+        else:
+            sign = "+" if q.kind == "change" else ""
+            cells = (f"{statistics.mean(q.a):{sign}.3f} | {statistics.mean(q.b):{sign}.3f} | "
+                     f"{m:+.3f} ± {se:.3f}")
+        lines.append(f"| {q.label} | {cells} | {n} of {len(seeds)} | {pv:.2f} |")
+    if change:
+        (l0, h0), (l1, h1) = change
         lines.append("")
-        for arm, c in ((a, ca), (b, cb)):
+        for arm, c in ((a, qs[-1].a), (b, qs[-1].b)):
             down = [s for s, x in zip(seeds, c) if x < 0]
             lines.append(f"{arm}: sampled reward in steps {l1}–{h1} below steps {l0}–{h0} on "
                          f"{len(down)} of {len(seeds)} seeds"
                          + (f" ({', '.join(map(str, down))})" if down else "") + ".")
     return lines
+
+
+def plot(path: Path, a: str, b: str, seeds: list[int], qs: list[Quantity]) -> int:
+    """One panel per measure: each seed a line from arm B's value to arm A's (rising where A is
+    higher), labelled with its seed, and the mean of each arm in black. A measure equal in both
+    arms on every seed (held-out before training) gets no panel. Returns the panel count."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    qs = [q for q in qs if q.a != q.b]
+    if not qs:
+        raise SystemExit("--plot: every measure is equal in both arms on every seed")
+    fig = Figure(figsize=(3.2 * len(qs), 4.2), layout="constrained")
+    for ax, q in zip(fig.subplots(1, len(qs), squeeze=False)[0], qs):
+        for s, ya, yb in zip(seeds, q.a, q.b):
+            ax.plot([0, 1], [yb, ya], "-o", ms=3, lw=1, alpha=0.8,
+                    color="tab:blue" if ya > yb else "tab:red")
+            ax.annotate(str(s), (1, ya), xytext=(4, 0), textcoords="offset points",
+                        va="center", fontsize=7)
+        ax.plot([0, 1], [statistics.mean(q.b), statistics.mean(q.a)], "-s", color="black", lw=2)
+        if q.kind == "change":
+            ax.axhline(0.0, color="grey", lw=0.8, ls="--")
+        m, se, n, pv = paired(q.a, q.b)
+        scale, unit = (100, " pts") if q.kind == "held-out" else (1, "")
+        ax.set_title(f"{q.label}\n{a} − {b}: {scale * m:+.3g} ± {scale * se:.2g}{unit}\n"
+                     f"{n} of {len(seeds)} higher, p {pv:.2f}", fontsize=8)
+        ax.set_xticks([0, 1], [b, a], fontsize=8)
+        ax.set_xlim(-0.3, 1.3)
+        ax.tick_params(axis="y", labelsize=8)
+    fig.suptitle(f"paired by seed ({len(seeds)} seeds: {', '.join(map(str, seeds))})",
+                 fontsize=9)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    return len(qs)
 
 
 def _window(text: str, flag: str) -> tuple[int, int]:
@@ -129,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
                         "e.g. 1-10:51-60, paired, and the seeds on which each arm ends lower")
     p.add_argument("--seeds", default=None,
                    help="pair only these seeds, e.g. 4,5,6 (default: every seed both ran)")
+    p.add_argument("--plot", default=None, metavar="PNG",
+                   help="also draw every measure, seed by seed, into this PNG")
     args = p.parse_args(argv)
     windows = [_window(w, "--windows") for w in args.windows.split(",")]
     change = None
@@ -143,6 +205,10 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"--seeds: expected seeds like 4,5,6, got {args.seeds!r}")
         only = {int(x) for x in args.seeds.split(",")}
     print("\n".join(table(Path(args.runs), args.a, args.b, windows, change, only)))
+    if args.plot is not None:
+        seeds, qs = quantities(Path(args.runs), args.a, args.b, windows, change, only)
+        plot(Path(args.plot), args.a, args.b, seeds, qs)
+        print(f"\nplot: {args.plot}")
     return 0
 
 

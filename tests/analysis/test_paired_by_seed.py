@@ -85,3 +85,23 @@ def test_change_counts_the_runs_that_end_below_their_start(tmp_path, capsys):
     assert "| +0.100 | -0.100 | +0.200 ± 0.100 | 2 of 3 | 0.50 |" in row
     assert "y: sampled reward in steps 11–20 below steps 1–10 on 0 of 3 seeds." in out
     assert "x: sampled reward in steps 11–20 below steps 1–10 on 2 of 3 seeds (0, 1)." in out
+
+
+def test_plot_draws_one_panel_per_measure_that_differs(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    for seed, (early, late) in enumerate([(0.4, 0.2), (0.3, 0.1)]):
+        _run(tmp_path / f"x_s{seed}", [0.5, 0.6], reward=early, late=late)
+        _run(tmp_path / f"y_s{seed}", [0.5, 0.4], reward=early, late=early)
+    ns = runpy.run_path(str(SCRIPT), run_name="not_main")
+    png = tmp_path / "out" / "paired.png"
+    ns["main"]([str(tmp_path), "x", "y", "--windows", "1-20", "--change", "1-10:11-20",
+                "--plot", str(png)])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"plot: {png}" in capsys.readouterr().out
+    seeds, qs = ns["quantities"](tmp_path, "x", "y", [(1, 20)], ((1, 10), (11, 20)))
+    assert seeds == [0, 1]
+    # held-out at steps 0 and 10, the window, the change; step 0 is equal in both arms
+    assert [q.label for q in qs][:2] == ["held-out at step 0", "held-out at step 10"]
+    assert ns["plot"](tmp_path / "p2.png", "x", "y", seeds, qs) == len(qs) - 1
+    with pytest.raises(SystemExit, match="equal in both arms"):
+        ns["plot"](tmp_path / "p3.png", "x", "y", seeds, qs[:1])
