@@ -106,10 +106,10 @@ def quantities(root: Path, a: str, b: str, windows: list[tuple[int, int]],
     return seeds, out
 
 
-def table(root: Path, a: str, b: str, windows: list[tuple[int, int]],
-          change: tuple[tuple[int, int], tuple[int, int]] | None = None,
-          only: set[int] | None = None) -> list[str]:
-    seeds, qs = quantities(root, a, b, windows, change, only)
+def table(a: str, b: str, seeds: list[int], qs: list[Quantity],
+          change: tuple[tuple[int, int], tuple[int, int]] | None = None) -> list[str]:
+    """The Markdown table of :func:`quantities`, and with a change measure the seeds on which
+    each arm ends lower than it starts."""
     lines = [f"Seeds paired: {', '.join(map(str, seeds))} ({len(seeds)}).", "",
              f"| quantity | {a} | {b} | {a} − {b} (± s.e.) | seeds {a} higher | p (sign flip) |",
              "|---|---|---|---|---|---|"]
@@ -123,7 +123,7 @@ def table(root: Path, a: str, b: str, windows: list[tuple[int, int]],
             cells = (f"{statistics.mean(q.a):{sign}.3f} | {statistics.mean(q.b):{sign}.3f} | "
                      f"{m:+.3f} ± {se:.3f}")
         lines.append(f"| {q.label} | {cells} | {n} of {len(seeds)} | {pv:.2f} |")
-    if change:
+    if change:  # quantities() puts the change last
         (l0, h0), (l1, h1) = change
         lines.append("")
         for arm, c in ((a, qs[-1].a), (b, qs[-1].b)):
@@ -204,9 +204,9 @@ def main(argv: list[str] | None = None) -> int:
         if not all(x.strip().isdigit() for x in args.seeds.split(",")):
             raise SystemExit(f"--seeds: expected seeds like 4,5,6, got {args.seeds!r}")
         only = {int(x) for x in args.seeds.split(",")}
-    print("\n".join(table(Path(args.runs), args.a, args.b, windows, change, only)))
+    seeds, qs = quantities(Path(args.runs), args.a, args.b, windows, change, only)
+    print("\n".join(table(args.a, args.b, seeds, qs, change)))
     if args.plot is not None:
-        seeds, qs = quantities(Path(args.runs), args.a, args.b, windows, change, only)
         plot(Path(args.plot), args.a, args.b, seeds, qs)
         print(f"\nplot: {args.plot}")
     return 0
