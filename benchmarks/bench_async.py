@@ -21,6 +21,9 @@ benchmark's, configured the same way. Arms (``--arms``), each with its thread co
   ``sync-bind@1``, ``sync-bind@2``: ``OMP_PROC_BIND=close OMP_PLACES=cores`` (GNU OpenMP
   pins each torch thread, the main one included, to its own core for the child's life: no
   migration between cores, each thread's cache stays warm).
+  ``sync-bf16@1``, ``sync-bf16@2``: ``rollout.precision=bf16`` (a bfloat16 copy of the fp32
+  policy samples, its decode products through ``F.linear``, which runs on AMX tiles on hosts
+  that have them; the π_old pass and the update stay fp32, so the ratios do too).
   Every gspo arm also records its kernel (sys) CPU time and minor page faults a step;
 - ``async1@1+1``, ``async2@1+1``: ``rollout.async_steps=1`` / ``2``, the trainer on 1 thread and
   the engine process on 1 (``rollout.async_threads=1``): 2 cores in all; the engine also runs
@@ -75,6 +78,9 @@ ARMS: dict[str, tuple[str, int, int, list[str]]] = {
     # OpenMP threads pinned one to a core (OMP_PROC_BIND / OMP_PLACES, ARM_ENV)
     "sync-bind@1": ("gspo", 1, 0, []),
     "sync-bind@2": ("gspo", 2, 0, []),
+    # a bfloat16 copy of the policy samples (bf16 products: AMX on hosts with it); fp32 training
+    "sync-bf16@1": ("gspo", 1, 0, ["rollout.precision=bf16"]),
+    "sync-bf16@2": ("gspo", 2, 0, ["rollout.precision=bf16"]),
     "async1@1+1": ("gspo", 1, 1, ["rollout.async_steps=1", "rollout.async_threads=1"]),
     "async2@1+1": ("gspo", 1, 1, ["rollout.async_steps=2", "rollout.async_threads=1"]),
     "trl@1": ("trl", 1, 0, []),
@@ -97,7 +103,8 @@ ARM_ENV: dict[str, dict[str, str]] = {
 # thread scaling and their speed against the default at each thread count.
 VARIANTS = {"compile": "compile_layers", "thp": "THP_MEM_ALLOC_ENABLE=1",
             "jemalloc": "jemalloc (LD_PRELOAD)", "tcmalloc": "tcmalloc (LD_PRELOAD)",
-            "bind": "OMP_PROC_BIND=close OMP_PLACES=cores"}
+            "bind": "OMP_PROC_BIND=close OMP_PLACES=cores",
+            "bf16": "rollout.precision=bf16"}
 
 
 def total_threads(arm: str) -> int:

@@ -247,3 +247,25 @@ def test_async_bind_arms_pin_the_openmp_threads():
                                         "update": 1}, {"1": 1.0, "2": 2.0})
     assert any(r.startswith("- OMP_PROC_BIND=close OMP_PLACES=cores vs default @2: step 1.33×")
                for r in rows)
+
+
+def test_async_bf16_arms_sample_from_a_bfloat16_copy(tmp_path):
+    """bench_async's sync-bf16 arms: the trainer they build samples from a bfloat16 copy of
+    the fp32 policy (rollout.precision=bf16) while it trains in fp32, and the summary states
+    them against the default arm."""
+    import torch
+
+    from benchmarks import bench_async
+    from benchmarks.bench_vs_trl import build_trainer
+
+    spec = {"model": "tiny:llama", "seed": 0, "steps": 1, "threads": 1, "prompts_per_step": 1,
+            "group_size": 2, "max_new_tokens": 2, "temperature": 1.0, "minibatches": 1,
+            "lr": 1e-6, "arm": "gspo", "overrides": bench_async.ARMS["sync-bf16@1"][3]}
+    trainer = build_trainer(spec, tmp_path)
+    assert trainer.cfg.rollout.precision == "bf16" and trainer.cfg.dtype == "float32"
+    assert next(trainer.engine.model.parameters()).dtype == torch.bfloat16
+    assert next(trainer.model.parameters()).dtype == torch.float32
+    assert bench_async.total_threads("sync-bf16@2") == 2
+    s = bench_async.summarize([_arm("sync@1", 12.0, 3.0), _arm("sync-bf16@1", 10.0, 1.0)], 0,
+                              {"total": 1e9}, {"1": 1.0, "2": 2.0})
+    assert s["bf16_over_sync"]["@1"]["rollout_s"] == 3.0
