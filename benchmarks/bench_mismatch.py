@@ -110,6 +110,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--reps", type=int, default=4)
     p.add_argument("--sync-reps", type=int, default=5)
     p.add_argument("--out", default="")
+    p.add_argument("--tag", default="", help="suffix of the result file name")
     args = p.parse_args(argv)
     data = run(args)
     header = (f"hf engine fp32 vs bf16 copy, {args.model}, batch {data['batch']}, "
@@ -127,7 +128,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           for a, r in data["arms"].items()]
     from pathlib import Path
 
-    write_result(result_name("mismatch", args.model), data, header, md,
+    write_result(result_name("mismatch", args.model, args.tag), data, header, md,
                  Path(args.out) if args.out else None)
     print("\n".join([header, *md]))
     return data
