@@ -14,8 +14,9 @@ the SFT cold start left it.
     python -m benchmarks.bench_routing_volatility            # both testbeds (~15 min here)
     python -m benchmarks.bench_routing_volatility --only deep
     python -m benchmarks.bench_routing_volatility --only granularity  # 32 vs 128 experts
+    python -m benchmarks.bench_routing_volatility --only router  # routers' own lr, 1-100x
 
-Writes results/moe_volatility/volatility_<all|deep|upcycled|granularity>.{json,md}.
+Writes results/moe_volatility/volatility_<all|deep|upcycled|granularity|router>.{json,md}.
 """
 
 from __future__ import annotations
@@ -42,6 +43,11 @@ GRID: list[tuple[str, float, dict[str, float], int]] = [
 # both from the 700-step SFT cold start of configs/moe/deep_moe.yaml.
 GRANULARITY: list[tuple[str, float, dict[str, float], int]] = [
     (testbed, lr, {}, 4) for lr in (1e-4, 3e-4, 1e-3) for testbed in ("deep-700", "deep128-700")]
+# The routers' own learning rate (``--only router``, ``moe.router_lr_scale``): deep_moe from
+# the 700-step cold start at lr 1e-4, the rate where every arm of the comparison trains, with
+# the routers alone at 1, 10, 30 and 100 × that rate.
+ROUTER: list[tuple[str, float, dict[str, float], int]] = [
+    ("deep-700", 1e-4, {"router_lr_scale": scale}, 6) for scale in (1, 10, 30, 100)]
 DEEP_MODELS = {"deep": "sft:deep_moe", "deep-700": "sft:deep_moe?steps=700",
                "deep128-700": "sft:deep_moe_128?steps=700"}
 
@@ -50,6 +56,8 @@ def overrides(testbed: str, lr: float, state: dict[str, float], steps: int) -> l
     common = [f"optim.lr={lr}", f"steps={steps}", "objective.num_minibatches=2",
               "moe.routing_replay=off", "eval_before=false", "progress=false",
               "tensorboard=false", "logging.samples_every=0", "num_threads=1"]
+    if "router_lr_scale" in state:
+        common.append(f"moe.router_lr_scale={state['router_lr_scale']:g}")
     if testbed in DEEP_MODELS:
         return [*common, f"model={DEEP_MODELS[testbed]}", "task.levels=[2,3]",
                 "task.system_prompt=",
@@ -88,13 +96,14 @@ def main(argv: list[str]) -> None:
     if child_main(argv, run_setting):
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", choices=["deep", "upcycled", "granularity"], default=None,
-                    help="one testbed of the default grid, or the granularity grid")
+    ap.add_argument("--only", choices=["deep", "upcycled", "granularity", "router"],
+                    default=None, help="one testbed of the default grid, or the granularity "
+                    "or router-lr grid")
     args = ap.parse_args(argv)
     results, rows = [], []
-    grid = GRANULARITY if args.only == "granularity" else GRID
+    grid = {"granularity": GRANULARITY, "router": ROUTER}.get(args.only or "", GRID)
     for testbed, lr, state, steps in grid:
-        if args.only not in (None, "granularity", testbed):
+        if args.only not in (None, "granularity", "router", testbed):
             continue
         res = run_child("benchmarks.bench_routing_volatility",
                         {"overrides": overrides(testbed, lr, state, steps)}, timeout=1800)
@@ -104,7 +113,7 @@ def main(argv: list[str]) -> None:
             row = (f"| {testbed} | {lr:g} | {state or 'SFT cold start'} | {i} | "
                    f"{s['expert_change']:.2%} | {max(per):.2%} (layer {per.index(max(per))}) | "
                    f"{s['token_change']:.2%} | {s['router_entropy']:.3f} | "
-                   f"{s['load_imbalance']:.2f} |")
+                   f"{s['load_imbalance']:.2f} | {s['reward']:.3f} |")
             rows.append(row)
             print(row, flush=True)
     cmd = "python -m benchmarks.bench_routing_volatility " + " ".join(argv)
@@ -113,9 +122,9 @@ def main(argv: list[str]) -> None:
         f"`{cmd}`. Share of π_old's experts replaced after one AdamW step (mean over MoE "
         "layers, and the most volatile layer), the share of (token, layer) whose expert set "
         "changed, router entropy / log E and load imbalance (max/mean expert load), per RL "
-        "step.\n\n| testbed | lr | router state | step | experts replaced | worst layer | "
-        "expert set changed | router entropy | load imbalance |\n|---|---|---|---|---|---|---|"
-        "---|---|")
+        "step, and the step's reward per sampled response.\n\n| testbed | lr | router state | "
+        "step | experts replaced | worst layer | expert set changed | router entropy | "
+        "load imbalance | reward |\n|---|---|---|---|---|---|---|---|---|---|")
     write_result(f"volatility_{args.only or 'all'}", {"machine": machine(), "grid": results},
                  header, rows,
                  out_dir=OUT)

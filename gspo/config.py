@@ -225,6 +225,9 @@ class MoEConfig:
         "(rollout.engine=hf)")
     aux_loss_coef: float = _f(0.0, "router load-balancing loss coefficient (0 = off)")
     log_routing_change: bool = _f(True, "log the fraction of (token, layer) whose experts changed")
+    router_lr_scale: float = _f(
+        1.0, "the routers' learning rate as a multiple of optim.lr (1 = one parameter group): "
+        "routing that moves as much per update as the paper's while the rest trains slowly")
 
 
 @dataclass
@@ -561,6 +564,8 @@ def validate(cfg: TrainConfig) -> None:
            f"objective.num_minibatches must be in [1, {n_rollouts}] (the rollout batch size)")
     _check(cfg.steps >= 0, "steps must be >= 0")
     _check(cfg.optim.lr >= 0, "optim.lr must be >= 0")
+    _check(cfg.moe.router_lr_scale > 0,
+           f"moe.router_lr_scale must be > 0 (got {cfg.moe.router_lr_scale})")
     _check(len(cfg.optim.betas) == 2, "optim.betas must have two values")
     _check(cfg.logprob_chunk >= 1, "logprob_chunk must be >= 1")
     _check(not cfg.compile_layers or cfg.lean_forward,

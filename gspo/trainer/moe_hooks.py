@@ -54,6 +54,10 @@ class PolicyHooks:
     records_rollout_routing = False
     stat_kinds: Mapping[str, str] = MappingProxyType({})  # reduction of each stat it adds
 
+    def param_groups(self, model: Any, lr: float) -> list[dict[str, Any]]:
+        """The optimizer's parameter groups: the trainable parameters at ``lr``."""
+        return [{"params": [p for p in model.parameters() if p.requires_grad], "lr": lr}]
+
     def capture_old(self, model: Any) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext(None)
 
@@ -97,6 +101,22 @@ class MoEHooks(PolicyHooks):
                            "moe/load_imbalance": "max",
                            **{f"{_CHANGE}_layer{i}": "tokens" for i in range(n_layers)},
                            **{f"{_EXPERTS}_layer{i}": "tokens" for i in range(n_layers)}}
+
+    def param_groups(self, model: Any, lr: float) -> list[dict[str, Any]]:
+        """One group at ``lr``, or with ``moe.router_lr_scale`` ≠ 1 two: the routers'
+        trainable parameters at ``lr × router_lr_scale``, the rest at ``lr``. The scale moves
+        routing per update (the paper's ~10% of experts replaced, Sec. 5.3, arises at a
+        small lr on a large model) without moving the rest of the policy as fast."""
+        scale = self.cfg.router_lr_scale
+        if scale == 1:
+            return super().param_groups(model, lr)
+        routers = {id(p) for m in router_modules(model) for p in m.parameters()}
+        mine = [p for p in model.parameters() if p.requires_grad and id(p) in routers]
+        if not mine:
+            raise ConfigError("moe.router_lr_scale: the policy's routers have no trainable "
+                              "parameters (LoRA trains adapters only); leave it at 1")
+        rest = [p for p in model.parameters() if p.requires_grad and id(p) not in routers]
+        return [{"params": rest, "lr": lr}, {"params": mine, "lr": lr * scale}]
 
     def capture_old(self, model: Any) -> contextlib.AbstractContextManager:
         return capture_routing(model)
@@ -166,9 +186,9 @@ def policy_hooks(model: Any, cfg: MoEConfig, caps: EngineCapabilities, *,
     routing, are a :class:`ConfigError` (``engine``, ``name``: the engine's and the model's
     names, for the message)."""
     if not is_moe(model):
-        if cfg.routing_replay != "off" or cfg.aux_loss_coef > 0:
-            raise ConfigError("moe.routing_replay / moe.aux_loss_coef need a Mixture-of-"
-                              f"Experts model; {name} is dense")
+        if cfg.routing_replay != "off" or cfg.aux_loss_coef > 0 or cfg.router_lr_scale != 1:
+            raise ConfigError("moe.routing_replay / moe.aux_loss_coef / moe.router_lr_scale "
+                              f"need a Mixture-of-Experts model; {name} is dense")
         return NO_MOE
     if cfg.routing_replay == "r3" and caps.routing_unsupported:
         raise ConfigError("moe.routing_replay=r3 needs rollout-recorded routing, which "

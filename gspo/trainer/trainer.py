@@ -225,7 +225,7 @@ class Trainer:
         # The pipeline's process starts at the end of setup, on the restored weights.
         self.async_rollout = self._async_rollout(cfg.rollout.async_steps)
         self.optimizer = torch.optim.AdamW(
-            [p for p in self.model.parameters() if p.requires_grad], lr=cfg.optim.lr,
+            self.hooks.param_groups(self.model, cfg.optim.lr), lr=cfg.optim.lr,
             betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay,
             fused=cfg.optim.fused and not self._fsdp2)
         total = cfg.steps * cfg.objective.num_minibatches * cfg.objective.epochs

@@ -5,6 +5,7 @@ import json
 import pytest
 
 from gspo.config import ConfigError, load_config
+from gspo.models.moe import router_modules
 from gspo.trainer import Trainer
 
 
@@ -47,9 +48,9 @@ def test_r2_replay_and_aux_loss_run_and_routes_drift_with_updates(tmp_path):
     assert rows[-1]["moe/load_balancing_loss"] > 0
 
 
-def test_moe_options_on_a_dense_model_are_an_error(tmp_path):
-    cfg = load_config(None, ["model=tiny:llama", "moe.routing_replay=r2",
-                             f"output_dir={tmp_path}"])
+@pytest.mark.parametrize("option", ["moe.routing_replay=r2", "moe.router_lr_scale=10"])
+def test_moe_options_on_a_dense_model_are_an_error(tmp_path, option):
+    cfg = load_config(None, ["model=tiny:llama", option, f"output_dir={tmp_path}"])
     with pytest.raises(ConfigError, match="dense"):
         Trainer(cfg, reward_fns=[first_char_digit]).setup()
     assert not any(tmp_path.iterdir())
@@ -198,3 +199,47 @@ def test_moe_old_pass_in_inference_mode_gives_routing_autograd_can_use(tmp_path)
     assert routing and not any(r.is_inference() for r in routing)
     x = torch.randn(routing[0].shape[0], 8, requires_grad=True)
     x.gather(-1, routing[0]).sum().backward()  # saved for backward: must not be inference
+
+
+def _weights(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_router_lr_scale_moves_the_routers_that_much_faster(tmp_path, family):
+    """moe.router_lr_scale puts the routers in their own AdamW group at scale × lr: after one
+    RL step (4 AdamW steps) the routers' largest change is about scale × the rest's."""
+    cfg = load_config(None, [
+        f"output_dir={tmp_path}", "run_name=scaled", "progress=false", "steps=1",
+        f"model=tiny:{family}", "rollout.max_new_tokens=5", "rollout.prompts_per_step=2",
+        "rollout.group_size=4", "task.eval_size=0", "eval_before=false", "optim.lr=1e-4",
+        "moe.router_lr_scale=100", "objective.num_minibatches=4"])
+    trainer = Trainer(cfg, reward_fns=[char_codes]).setup()
+    groups = trainer.optimizer.param_groups
+    assert [g["lr"] for g in groups] == pytest.approx([1e-4, 1e-2])
+    routers = {id(p) for m in router_modules(trainer.model) for p in m.parameters()}
+    assert {id(p) for p in groups[1]["params"]} == routers
+    assert len(groups[0]["params"]) + len(groups[1]["params"]) == len(
+        [p for p in trainer.model.parameters() if p.requires_grad])
+    names = {id(p): n for n, p in trainer.model.named_parameters()}
+    before = _weights(trainer.model)
+    trainer.train()
+    after = _weights(trainer.model)
+    moved = {n: float((after[n] - before[n]).abs().max()) for n in before}
+    router_max = max(moved[names[i]] for i in routers)
+    rest_max = max(v for n, v in moved.items() if n not in {names[i] for i in routers})
+    assert rest_max > 0 and router_max > 20 * rest_max
+    rows = _metrics(trainer)
+    assert rows[-1]["train/lr"] == pytest.approx(1e-4)  # the policy's lr, as before
+
+
+def test_router_lr_scale_one_keeps_a_single_group(tmp_path):
+    trainer = Trainer(load_config(None, [
+        f"output_dir={tmp_path}", "model=tiny:qwen3_moe", "task.eval_size=0"]),
+        reward_fns=[char_codes]).setup()
+    assert len(trainer.optimizer.param_groups) == 1
+
+
+def test_router_lr_scale_must_be_positive():
+    with pytest.raises(ConfigError, match="router_lr_scale must be > 0"):
+        load_config(None, ["moe.router_lr_scale=0"])
