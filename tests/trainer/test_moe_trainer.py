@@ -243,3 +243,11 @@ def test_router_lr_scale_one_keeps_a_single_group(tmp_path):
 def test_router_lr_scale_must_be_positive():
     with pytest.raises(ConfigError, match="router_lr_scale must be > 0"):
         load_config(None, ["moe.router_lr_scale=0"])
+
+
+def test_router_lr_scale_with_frozen_routers_is_an_error(tmp_path):
+    cfg = load_config(None, [f"output_dir={tmp_path}", "model=tiny:qwen3_moe", "lora.r=4",
+                             "moe.router_lr_scale=10", "task.eval_size=0"])
+    with pytest.raises(ConfigError, match="routers have no trainable parameters"):
+        Trainer(cfg, reward_fns=[char_codes]).setup()
+    assert not any(tmp_path.iterdir())
