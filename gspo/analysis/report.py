@@ -221,8 +221,9 @@ def _start_text(summary: dict[str, Any]) -> str:
     before = _stats([r["accuracy_before"] for r in runs][: len(summary["seeds"])])
     first = _stats([r["first_reward"] for r in runs])
     hours = sum(r["wall_s"] for r in runs) / 60
-    return (f"Before RL (shared by every arm): held-out accuracy {_cell(before)}; training "
-            f"reward over the first quarter of the steps {_cell(first)} (all runs). "
+    return (f"Before RL (shared by every arm): held-out accuracy {_cell(before)}. Over the "
+            f"first quarter of the steps, already training: reward per sampled response "
+            f"{_cell(first)} (all runs of every arm). "
             f"Sum of the runs' wall times: {hours:.1f} min.")
 
 
