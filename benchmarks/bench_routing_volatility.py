@@ -15,8 +15,10 @@ the SFT cold start left it.
     python -m benchmarks.bench_routing_volatility --only deep
     python -m benchmarks.bench_routing_volatility --only granularity  # 32 vs 128 experts
     python -m benchmarks.bench_routing_volatility --only router  # routers' own lr, 1-100x
+    python -m benchmarks.bench_routing_volatility --only upcycled-router  # the same, upcycled
 
-Writes results/moe_volatility/volatility_<all|deep|upcycled|granularity|router>.{json,md}.
+Writes results/moe_volatility/volatility_<grid>.{json,md}, grid one of all, deep, upcycled,
+granularity, router, upcycled-router.
 """
 
 from __future__ import annotations
@@ -48,6 +50,12 @@ GRANULARITY: list[tuple[str, float, dict[str, float], int]] = [
 # the routers alone at 1, 10, 30 and 100 × that rate.
 ROUTER: list[tuple[str, float, dict[str, float], int]] = [
     ("deep-700", 1e-4, {"router_lr_scale": scale}, 6) for scale in (1, 10, 30, 100)]
+# The same on the upcycled model (``--only upcycled-router``): lr 3e-5, the rate where its
+# comparison's arms train (1.5-2.2% of experts per update at scale 1), the routers at 3, 10
+# and 30 x that rate; 3 RL steps each (one upcycled step is ~35 s on one thread here).
+UPCYCLED_ROUTER: list[tuple[str, float, dict[str, float], int]] = [
+    ("upcycled", 3e-5, {"std": 0.02, "noise": 0.01, "router_lr_scale": scale}, 3)
+    for scale in (3, 10, 30)]
 DEEP_MODELS = {"deep": "sft:deep_moe", "deep-700": "sft:deep_moe?steps=700",
                "deep128-700": "sft:deep_moe_128?steps=700"}
 
@@ -96,14 +104,16 @@ def main(argv: list[str]) -> None:
     if child_main(argv, run_setting):
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", choices=["deep", "upcycled", "granularity", "router"],
+    ap.add_argument("--only", choices=["deep", "upcycled", "granularity", "router",
+                                       "upcycled-router"],
                     default=None, help="one testbed of the default grid, or the granularity "
-                    "or router-lr grid")
+                    "or a router-lr grid")
     args = ap.parse_args(argv)
     results, rows = [], []
-    grid = {"granularity": GRANULARITY, "router": ROUTER}.get(args.only or "", GRID)
+    special = {"granularity": GRANULARITY, "router": ROUTER, "upcycled-router": UPCYCLED_ROUTER}
+    grid = special.get(args.only or "", GRID)
     for testbed, lr, state, steps in grid:
-        if args.only not in (None, "granularity", "router", testbed):
+        if args.only not in (None, *special, testbed):
             continue
         res = run_child("benchmarks.bench_routing_volatility",
                         {"overrides": overrides(testbed, lr, state, steps)}, timeout=1800)

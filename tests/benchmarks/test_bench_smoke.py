@@ -273,13 +273,17 @@ def test_async_bf16_arms_sample_from_a_bfloat16_copy(tmp_path):
 
 def test_routing_volatility_grids_are_valid_configs():
     """Every setting of bench_routing_volatility's grids loads as a run config; the router
-    grid sets the routers' own lr scale, the others leave it at 1."""
+    grids set the routers' own lr scale, the others leave it at 1."""
     from benchmarks import bench_routing_volatility as bench
     from gspo.config import load_config
 
-    for grid in (bench.GRID, bench.GRANULARITY, bench.ROUTER):
+    for grid in (bench.GRID, bench.GRANULARITY, bench.ROUTER, bench.UPCYCLED_ROUTER):
         for testbed, lr, state, steps in grid:
             cfg = load_config(None, bench.overrides(testbed, lr, state, steps))
             assert cfg.optim.lr == lr and cfg.steps == steps
             assert cfg.moe.router_lr_scale == state.get("router_lr_scale", 1.0)
     assert sorted(s["router_lr_scale"] for _, _, s, _ in bench.ROUTER) == [1, 10, 30, 100]
+    assert [s["router_lr_scale"] for _, _, s, _ in bench.UPCYCLED_ROUTER] == [3, 10, 30]
+    assert {cfg.model for cfg in (load_config(None, bench.overrides(*g))
+                                  for g in bench.UPCYCLED_ROUTER)} == {
+        bench.UPCYCLED.format(std=0.02, noise=0.01)}
