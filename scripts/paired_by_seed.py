@@ -89,6 +89,14 @@ def quantities(root: Path, a: str, b: str, windows: list[tuple[int, int]],
     if not seeds:
         raise SystemExit(f"no seed that both {a} and {b} ran under {root}"
                          + (f" among --seeds {sorted(only)}" if only is not None else ""))
+    need = max(hi for lo, hi in windows + list(change or ()))
+    for arm, runs in ((a, ra), (b, rb)):
+        for s in seeds:
+            last = max((int(r["step"]) for r in runs[s] if "reward/mean" in r), default=0)
+            if last < need:
+                raise SystemExit(f"{arm}_s{s} under {root} has sampled reward up to step {last} "
+                                 f"only; the windows need step {need} (an unfinished run? "
+                                 f"leave its seed out with --seeds)")
     out = []
     ea, eb = ({s: evals(r[s]) for s in seeds} for r in (ra, rb))
     for step in sorted(set.intersection(*(set(ea[s]) & set(eb[s]) for s in seeds))):

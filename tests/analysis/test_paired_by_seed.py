@@ -56,6 +56,12 @@ def test_pairs_only_seeds_both_arms_ran(tmp_path, capsys):
         main([str(tmp_path), "x", "y", "--windows", "20-10"])
     with pytest.raises(SystemExit, match="no seed that both x and z ran"):
         main([str(tmp_path), "x", "z"])
+    # a window past a run's last step (an unfinished run) is an error naming the run
+    with pytest.raises(SystemExit, match=r"x_s0 under .* up to step 20 only; the windows need "
+                                         r"step 30"):
+        main([str(tmp_path), "x", "y", "--windows", "1-30"])
+    with pytest.raises(SystemExit, match="need step 40"):
+        main([str(tmp_path), "x", "y", "--windows", "1-20", "--change", "1-10:31-40"])
 
 
 def test_sign_flip_p_is_exact():
