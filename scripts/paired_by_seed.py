@@ -16,6 +16,8 @@ the differences' distribution; with n seeds it cannot go below 2 / 2^n (0.25 at 
         --windows 1-60 --change 1-10:51-60 --seeds 4,5,6 --plot paired.png
 
 ``--plot`` draws each measure as one panel: a line per seed from arm B's value to arm A's.
+``--control RUNS`` sets each paired difference against the same arms' difference under another
+folder (the same seeds in another setting): does the setting change the gap between the arms?
 """
 
 from __future__ import annotations
@@ -142,6 +144,34 @@ def table(a: str, b: str, seeds: list[int], qs: list[Quantity],
     return lines
 
 
+def versus_control(a: str, b: str, here: tuple[list[int], list[Quantity]],
+                   control: tuple[list[int], list[Quantity]], name: str) -> list[str]:
+    """Each measure's A − B here against A − B under a control folder (the same arms in another
+    setting), seed by seed on the seeds and measures both have: the difference in differences."""
+    (sh, qh), (sc, qc) = here, control
+    seeds = [s for s in sh if s in sc]
+    if not seeds:
+        raise SystemExit(f"--control {name}: no seed in common with the runs ({sh} vs {sc})")
+    qc_by = {q.label: q for q in qc}
+    lines = [f"A − B here minus A − B under {name}, seeds {', '.join(map(str, seeds))} "
+             f"({len(seeds)}).", "",
+             f"| quantity | {a} − {b} here | under {name} | difference (± s.e.) | "
+             "seeds higher here | p (sign flip) |", "|---|---|---|---|---|---|"]
+    for q in qh:
+        c = qc_by.get(q.label)
+        if c is None:
+            continue
+        dh = [q.a[sh.index(s)] - q.b[sh.index(s)] for s in seeds]
+        dc = [c.a[sc.index(s)] - c.b[sc.index(s)] for s in seeds]
+        m, se, n, pv = paired(dh, dc)
+        k, u = (100, " points") if q.kind == "held-out" else (1, "")
+        f = ".1f" if q.kind == "held-out" else ".3f"
+        lines.append(f"| {q.label} | {k * statistics.mean(dh):+{f}} | "
+                     f"{k * statistics.mean(dc):+{f}} | {k * m:+{f}} ± {k * se:{f}}{u} | "
+                     f"{n} of {len(seeds)} | {pv:.2f} |")
+    return lines
+
+
 def plot(path: Path, a: str, b: str, seeds: list[int], qs: list[Quantity]) -> int:
     """One panel per measure: each seed a line from arm B's value to arm A's (rising where A is
     higher), labelled with its seed, and the mean of each arm in black. A measure equal in both
@@ -197,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
                         "e.g. 1-10:51-60, paired, and the seeds on which each arm ends lower")
     p.add_argument("--seeds", default=None,
                    help="pair only these seeds, e.g. 4,5,6 (default: every seed both ran)")
+    p.add_argument("--control", default=None, metavar="RUNS",
+                   help="also each measure's A − B against A − B of the same arms under this "
+                        "folder (another setting of the same seeds), paired by seed")
     p.add_argument("--plot", default=None, metavar="PNG",
                    help="also draw every measure, seed by seed, into this PNG")
     args = p.parse_args(argv)
@@ -214,6 +247,9 @@ def main(argv: list[str] | None = None) -> int:
         only = {int(x) for x in args.seeds.split(",")}
     seeds, qs = quantities(Path(args.runs), args.a, args.b, windows, change, only)
     print("\n".join(table(args.a, args.b, seeds, qs, change)))
+    if args.control is not None:
+        ctl = quantities(Path(args.control), args.a, args.b, windows, change, only)
+        print("\n" + "\n".join(versus_control(args.a, args.b, (seeds, qs), ctl, args.control)))
     if args.plot is not None:
         plot(Path(args.plot), args.a, args.b, seeds, qs)
         print(f"\nplot: {args.plot}")

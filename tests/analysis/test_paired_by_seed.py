@@ -111,3 +111,28 @@ def test_plot_draws_one_panel_per_measure_that_differs(tmp_path, capsys):
     assert ns["plot"](tmp_path / "p2.png", "x", "y", seeds, qs) == len(qs) - 1
     with pytest.raises(SystemExit, match="equal in both arms"):
         ns["plot"](tmp_path / "p3.png", "x", "y", seeds, qs[:1])
+
+
+def test_control_sets_each_gap_against_the_same_arms_elsewhere(tmp_path, capsys):
+    here, ctl = tmp_path / "here", tmp_path / "ctl"
+    for seed, (gap_here, gap_ctl) in enumerate([(0.3, 0.1), (0.2, 0.2), (0.4, 0.0)]):
+        _run(here / f"x_s{seed}", [0.5], reward=0.2 + gap_here)
+        _run(here / f"y_s{seed}", [0.5], reward=0.2)
+        _run(ctl / f"x_s{seed}", [0.5], reward=0.3 + gap_ctl)
+        _run(ctl / f"y_s{seed}", [0.5], reward=0.3)
+    _run(ctl / "x_s5", [0.5], reward=0.9)  # no seed 5 here: left out
+    _run(ctl / "y_s5", [0.5], reward=0.1)
+    main = runpy.run_path(str(SCRIPT), run_name="not_main")["main"]
+    main([str(here), "x", "y", "--windows", "1-20", "--control", str(ctl)])
+    out = capsys.readouterr().out
+    assert f"A − B here minus A − B under {ctl}, seeds 0, 1, 2 (3)." in out
+    control_table = out.split("A − B here minus")[1]
+    row = next(x for x in control_table.splitlines() if x.startswith("| reward per sampled"))
+    # gaps here 0.3, 0.2, 0.4 against 0.1, 0.2, 0.0: differences 0.2, 0, 0.4 -> mean 0.2,
+    # s.d. 0.2, s.e. 0.115; 2 of 3 higher; |sum| ≥ 0.6 for 4 of the 8 sign patterns
+    assert "steps 1–20 | +0.300 | +0.100 | +0.200 ± 0.115 | 2 of 3 | 0.50 |" in row
+    (tmp_path / "other").mkdir()
+    _run(tmp_path / "other" / "x_s9", [0.5], reward=0.5)
+    _run(tmp_path / "other" / "y_s9", [0.5], reward=0.5)
+    with pytest.raises(SystemExit, match=r"--control .*: no seed in common"):
+        main([str(here), "x", "y", "--windows", "1-20", "--control", str(tmp_path / "other")])
