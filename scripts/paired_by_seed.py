@@ -35,14 +35,21 @@ read_metrics = runpy.run_path(str(Path(__file__).with_name("partial_compare_tabl
                               run_name="not_main")["read_metrics"]
 
 
-def arm_runs(root: Path, arm: str) -> dict[int, list[dict[str, Any]]]:
-    """seed -> metrics rows of ``<arm>_s<seed>`` under ``root``."""
+def arm_seeds(root: Path, arm: str) -> dict[int, Path]:
+    """seed -> folder ``<arm>_s<seed>`` under ``root``."""
     out = {}
     for d in root.iterdir():
         name, _, seed = d.name.rpartition("_s")
         if d.is_dir() and name == arm and seed.isdigit():
-            out[int(seed)] = read_metrics(d)
+            out[int(seed)] = d
     return out
+
+
+def arm_runs(root: Path, arm: str, only: set[int] | None = None
+             ) -> dict[int, list[dict[str, Any]]]:
+    """seed -> metrics rows of ``<arm>_s<seed>`` under ``root`` (only the seeds in ``only``)."""
+    return {s: read_metrics(d) for s, d in arm_seeds(root, arm).items()
+            if only is None or s in only}
 
 
 def evals(rows: list[dict[str, Any]]) -> dict[int, float]:
@@ -86,8 +93,8 @@ def quantities(root: Path, a: str, b: str, windows: list[tuple[int, int]],
     """The seeds both arms ran (within ``only``) and each measure on them: held-out accuracy at
     every evaluation all of them share, reward per sampled response over each window, and with
     ``change`` the reward's change from the first window to the second."""
-    ra, rb = arm_runs(root, a), arm_runs(root, b)
-    seeds = sorted(set(ra) & set(rb) & (only if only is not None else set(ra)))
+    ra, rb = arm_runs(root, a, only), arm_runs(root, b, only)
+    seeds = sorted(set(ra) & set(rb))
     if not seeds:
         raise SystemExit(f"no seed that both {a} and {b} ran under {root}"
                          + (f" among --seeds {sorted(only)}" if only is not None else ""))
@@ -248,7 +255,11 @@ def main(argv: list[str] | None = None) -> int:
     seeds, qs = quantities(Path(args.runs), args.a, args.b, windows, change, only)
     print("\n".join(table(args.a, args.b, seeds, qs, change)))
     if args.control is not None:
-        ctl = quantities(Path(args.control), args.a, args.b, windows, change, only)
+        ctl_root = Path(args.control)  # only the seeds paired above: others may be unfinished
+        common = set(seeds) & set(arm_seeds(ctl_root, args.a)) & set(arm_seeds(ctl_root, args.b))
+        if not common:
+            raise SystemExit(f"--control {ctl_root}: no seed in common with the runs {seeds}")
+        ctl = quantities(ctl_root, args.a, args.b, windows, change, common)
         print("\n" + "\n".join(versus_control(args.a, args.b, (seeds, qs), ctl, args.control)))
     if args.plot is not None:
         plot(Path(args.plot), args.a, args.b, seeds, qs)
