@@ -4,8 +4,9 @@ The arms come from a comparison file (:mod:`gspo.analysis.spec`). Each (arm, see
 :class:`gspo.trainer.Trainer` run in ``RUNS/<arm>_s<seed>``. A finished run whose config is
 unchanged is reused, so an interrupted comparison resumes and a new arm only costs its own runs.
 For MoE policies a probe per seed also measures how many expert choices change after exactly
-one optimizer step from the initial policy (:func:`first_update_probe`). The table and plots
-are written by :mod:`gspo.analysis.report`.
+one optimizer step from the initial policy (:func:`first_update_probe`). With ``jobs`` > 1 the
+runs go ``jobs`` at a time, each in its own process (:func:`run_side_by_side`). The table and
+plots are written by :mod:`gspo.analysis.report`.
 """
 
 from __future__ import annotations
@@ -14,9 +15,13 @@ import dataclasses
 import fcntl
 import gc
 import json
+import multiprocessing
+import os
 import shutil
+import sys
 import time
 from collections.abc import Callable
+from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +37,10 @@ from gspo.trainer import Trainer
 from gspo.trainer.update import UpdatePlan, policy_update
 
 DONE = "compare.json"  # written into a run folder once its run finished
+
+
+class RunFailed(RuntimeError):
+    """A run of a side-by-side comparison exited with an error (its log names the cause)."""
 
 
 def _differs(saved: Any, current: Any) -> bool:
@@ -154,19 +163,95 @@ def run_probe(spec: CompareSpec, seed: int, runs_dir: Path, extra: list[str],
     return res
 
 
+def _child(cfg: TrainConfig, info: dict[str, Any], log_path: str) -> None:
+    """One run of :func:`run_side_by_side`, in a spawned process: its output (and a traceback,
+    if it fails) goes to ``log_path``."""
+    with open(log_path, "a", buffering=1) as f:
+        os.dup2(f.fileno(), 1)
+        os.dup2(f.fileno(), 2)
+        sys.stdout = sys.stderr = f
+        run_one(cfg, info, print)
+
+
+def run_side_by_side(todo: list[tuple[TrainConfig, dict[str, Any]]], jobs: int,
+                     log: Callable[[str], None] = print) -> None:
+    """Train each ``(config, info)`` of ``todo`` with :func:`run_one` in its own process, at
+    most ``jobs`` at a time, in order. A run's output goes to ``<run folder>.log`` beside it.
+
+    Each process is spawned (not forked: the parent may hold torch threads) and is not a
+    daemon, so a run's own engine process (``rollout.async_steps``) can start. Runs that fail
+    do not stop the others; once all have ended, :class:`RunFailed` names every one that
+    failed and its log. Interrupted (Ctrl-C), the parent terminates the runs it started.
+    """
+    ctx = multiprocessing.get_context("spawn")
+    queue = list(todo)
+    running: dict[Any, tuple[Any, str, Path]] = {}  # by the process's sentinel
+    failed: list[str] = []
+    try:
+        while queue or running:
+            while queue and len(running) < jobs:
+                cfg, info = queue.pop(0)
+                log_path = Path(cfg.output_dir) / f"{cfg.run_name}.log"
+                log_path.parent.mkdir(parents=True, exist_ok=True)
+                proc = ctx.Process(target=_child, args=(cfg, info, str(log_path)),
+                                   name=cfg.run_name)
+                proc.start()
+                running[proc.sentinel] = (proc, cfg.run_name, log_path)
+                log(f"{cfg.run_name}: started (log {log_path})")
+            for sentinel in wait(list(running)):
+                proc, name, log_path = running.pop(sentinel)
+                proc.join()
+                if proc.exitcode == 0:
+                    lines = log_path.read_text(errors="replace").strip().splitlines()
+                    log(lines[-1] if lines else f"{name}: finished")
+                else:
+                    failed.append(f"{name} (exit code {proc.exitcode}; log {log_path})")
+                    log(f"{name}: failed with exit code {proc.exitcode}, see {log_path}")
+    except BaseException:
+        for proc, _, _ in running.values():
+            proc.terminate()
+        for proc, _, _ in running.values():
+            proc.join()
+        raise
+    if failed:
+        raise RunFailed(f"{len(failed)} of {len(todo)} runs failed: {', '.join(failed)}")
+
+
 def run_compare(spec: CompareSpec, runs_dir: str | Path, out_dir: str | Path,
                 extra: list[str] | None = None, log: Callable[[str], None] = print,
-                command: str = "") -> dict[str, Any]:
-    """Run every (arm, seed), then write ``results.md``, ``summary.json`` and PNGs to out_dir."""
+                command: str = "", jobs: int = 1) -> dict[str, Any]:
+    """Run every (arm, seed), then write ``results.md``, ``summary.json`` and PNGs to out_dir.
+
+    ``jobs`` > 1 runs that many (arm, seed) runs side by side, each in its own process
+    (:func:`run_side_by_side`; the probes run first, in this one). Every arm must then set
+    ``num_threads`` (≥ 1): torch's default, all cores per run, would put ``jobs`` times the
+    cores' threads on them."""
+    if jobs < 1:
+        raise ConfigError(f"--jobs: expected a positive number of runs at a time, got {jobs}")
     runs_dir, out_dir, extra = Path(runs_dir), Path(out_dir), list(extra or [])
     start = time.perf_counter()
+    # seed-major: a partial comparison still covers every arm
+    plan = [(arm, seed, spec.config(arm, seed, runs_dir, extra))
+            for seed in spec.seeds for arm in spec.arms]
+    if jobs > 1:
+        unset = sorted({arm.name for arm, _, cfg in plan if cfg.num_threads < 1})
+        if unset:
+            raise ConfigError(f"--jobs {jobs}: arm(s) {', '.join(unset)} leave num_threads at "
+                              f"0 (torch's default: every core in every run); set num_threads, "
+                              f"e.g. num_threads={max(1, (os.cpu_count() or 1) // jobs)}")
     probes = {seed: run_probe(spec, seed, runs_dir, extra, log) for seed in spec.seeds}
+    info = {(arm.name, seed): {"arm": arm.name, "label": arm.label, "seed": seed}
+            for arm, seed, _ in plan}
+    made: set[str] = set()  # runs trained side by side just now
+    if jobs > 1:
+        todo = [(cfg, info[arm.name, seed]) for arm, seed, cfg in plan
+                if not _reusable(Path(cfg.output_dir) / cfg.run_name, cfg)]
+        run_side_by_side(todo, jobs, log)
+        made = {cfg.run_name for cfg, _ in todo}
     runs: dict[str, dict[int, Path]] = {}
-    for seed in spec.seeds:  # seed-major: a partial comparison still covers every arm
-        for arm in spec.arms:
-            cfg = spec.config(arm, seed, runs_dir, extra)
-            info = {"arm": arm.name, "label": arm.label, "seed": seed}
-            runs.setdefault(arm.name, {})[seed] = run_one(cfg, info, log)
+    for arm, seed, cfg in plan:  # each run is finished now, or made here when jobs is 1
+        quiet = (lambda _: None) if cfg.run_name in made else log
+        runs.setdefault(arm.name, {})[seed] = run_one(cfg, info[arm.name, seed], quiet)
     summary = summarize(spec, runs, probes)
     summary["total_wall_s"] = time.perf_counter() - start
     summary["command"] = command

@@ -201,8 +201,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gspo {cmd}: interrupted", file=sys.stderr)
         return 130
     except RuntimeError as e:
+        from gspo.analysis.compare import RunFailed
         from gspo.trainer.guard import GuardStop
 
+        if isinstance(e, RunFailed):  # runs of `compare --jobs`: each names its log
+            print(f"gspo {cmd}: error: {e}", file=sys.stderr)
+            return 1
         if not isinstance(e, GuardStop):
             raise
         print(f"gspo {cmd}: {e}", file=sys.stderr)

@@ -1,5 +1,5 @@
-"""``gspo compare [FILE.yaml] [key=value ...] [--quick] [--arms A,B] [--seeds 0,1]``: argument
-parsing; the comparison itself is :func:`gspo.analysis.compare.run_compare`."""
+"""``gspo compare [FILE.yaml] [key=value ...] [--quick] [--arms A,B] [--seeds 0,1] [--jobs N]``:
+argument parsing; the comparison itself is :func:`gspo.analysis.compare.run_compare`."""
 
 from __future__ import annotations
 
@@ -45,6 +45,9 @@ def cmd_compare(argv: list[str]) -> int:
                    "<name> from the file's folder and stem: moe/compare -> moe_compare)")
     p.add_argument("--out", default="", help="table and plots (default: results/<name>[_quick]; "
                    "with --arms or --seeds: <runs>/report)")
+    p.add_argument("--jobs", type=int, default=1, help="runs at a time, each in its own "
+                   "process (default 1); every arm must set num_threads, e.g. --jobs 2 "
+                   "num_threads=1 on 2 cores")
     ns = p.parse_intermixed_args(argv)
     if "=" in ns.spec:  # only overrides were given
         ns.overrides, ns.spec = [ns.spec, *ns.overrides], p.get_default("spec")
@@ -60,7 +63,7 @@ def cmd_compare(argv: list[str]) -> int:
     runs, out = default_folders(ns.spec, quick=ns.quick, subset=bool(arms or seeds),
                                 runs=ns.runs, out=ns.out)
     command = " ".join(["gspo compare", *argv])
-    summary = run_compare(spec, runs, out, ns.overrides, command=command)
+    summary = run_compare(spec, runs, out, ns.overrides, command=command, jobs=ns.jobs)
     print(f"results: {out}/results.md ({len(spec.arms)} arms x {len(spec.seeds)} seeds, "
           f"{summary['total_wall_s'] / 60:.1f} min)")
     return 0

@@ -212,3 +212,51 @@ def test_subsets_of_arms_share_one_probe_per_seed(tmp_path):
     later: list[str] = []
     assert run_probe(b, 0, tmp_path, [], log=later.append) == res_a  # reused, not rerun
     assert later == []
+
+
+def _learning(run: Path) -> list[dict]:
+    """A run's metrics without its timings (which differ from run to run)."""
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/"))} for r in rows]
+
+
+def test_jobs_runs_side_by_side_as_one_at_a_time(tmp_path, capsys):
+    """`--jobs 2` trains each run in its own process: the same metrics as one at a time (one
+    thread each), each run's output in a log beside its folder, and the report over all."""
+    arms = ["--arms", "grpo,grpo_r2", "--seeds", "0", "num_threads=1"]
+    serial = tmp_path / "serial"
+    assert main(["compare", str(SPEC), "--quick", "--runs", str(serial / "runs"), "--out",
+                 str(serial / "out"), *arms]) == 0
+    capsys.readouterr()
+    runs, out = _quick(tmp_path, *arms, "--jobs", "2")
+    printed = capsys.readouterr().out
+    for name in ("grpo_s0", "grpo_r2_s0"):
+        assert _learning(runs / name) == _learning(serial / "runs" / name)
+        assert f"{name}: started (log {runs / name}.log)" in printed
+        assert f"{name}: " in (runs / f"{name}.log").read_text()  # run_one's closing line
+    assert "reusing" not in printed
+    assert (out / "results.md").is_file()
+
+
+def test_jobs_needs_num_threads_per_run(tmp_path):
+    spec = load_spec(SPEC, quick=True, arms=["grpo"])
+    with pytest.raises(ConfigError, match="num_threads"):
+        run_compare(spec, tmp_path / "runs", tmp_path / "out", ["num_threads=0"], jobs=2,
+                    log=lambda s: None)
+    with pytest.raises(ConfigError, match="--jobs"):
+        run_compare(spec, tmp_path / "runs", tmp_path / "out", jobs=0, log=lambda s: None)
+
+
+def test_a_failed_run_of_jobs_is_named_with_its_log_and_the_others_finish(tmp_path, capsys):
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    (runs / "grpo_s0").write_text("in the way")  # the run cannot make its folder
+    code = main(["compare", str(SPEC), "--quick", "--arms", "grpo,grpo_r2", "--seeds", "0",
+                 "--runs", str(runs), "--out", str(tmp_path / "out"), "--jobs", "2",
+                 "num_threads=1"])
+    err = capsys.readouterr().err.strip()
+    assert code == 1 and len(err.splitlines()) == 1
+    assert f"1 of 2 runs failed: grpo_s0 (exit code 1; log {runs}/grpo_s0.log)" in err
+    assert "Error" in (runs / "grpo_s0.log").read_text()  # the child's traceback
+    assert (runs / "grpo_r2_s0" / "compare.json").is_file()
+    assert not (tmp_path / "out").exists()
