@@ -145,6 +145,12 @@ class RolloutConfig:
         "no LoRA); 0: rollout and update in sequence (see gspo.trainer.async_rollout)")
     async_threads: int = _f(1, "async_steps > 0: torch threads of the engine process (the "
                             "trainer keeps num_threads; on 2 cores use num_threads=1)")
+    async_address: str = _f(
+        "", "async_steps > 0: where an engine started with `gspo engine ADDRESS` meets the "
+        "trainer (a torch.distributed init method: tcp://HOST:PORT, the trainer's host, or "
+        "file:///shared/path); weights go by broadcast, batches back over the same link. "
+        "Empty: the engine process is spawned here and shares memory "
+        "(see gspo.rollout.remote_engine)")
 
 
 @dataclass
@@ -545,6 +551,11 @@ def validate(cfg: TrainConfig) -> None:
     _check(r.async_threads >= 1, "rollout.async_threads must be >= 1")
     _check(r.async_steps > 0 or r.async_threads == 1,
            "rollout.async_threads is used only with rollout.async_steps > 0")
+    _check(r.async_steps > 0 or not r.async_address,
+           "rollout.async_address is used only with rollout.async_steps > 0")
+    _check(not r.async_address or r.async_address.startswith(("tcp://", "file://")),
+           f"rollout.async_address must be tcp://HOST:PORT or file:///path, got "
+           f"'{r.async_address}'")
     _check(r.async_steps == 0 or r.engine == "hf",
            "rollout.async_steps > 0 needs rollout.engine=hf (an async vLLM server is not built)")
     _check(r.async_steps == 0 or (r.max_turns == 1 and not r.dynamic_sampling),

@@ -158,9 +158,34 @@ def cmd_sft(argv: list[str]) -> int:
     return 0
 
 
+def cmd_engine(argv: list[str]) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(
+        prog="gspo engine", description="serve a trainer's asynchronous rollouts from this "
+        "machine: the trainer runs with rollout.async_steps=k rollout.async_address=ADDRESS")
+    p.add_argument("address", help="the trainer's rollout.async_address (tcp://HOST:PORT or "
+                   "file:///shared/path)")
+    p.add_argument("--device", default="cpu", help="where to sample (cpu, cuda, cuda:N)")
+    p.add_argument("--timeout", type=float, default=1800.0,
+                   help="seconds to wait for the trainer and for each of its messages")
+    ns = p.parse_args(argv)
+    if not ns.address.startswith(("tcp://", "file://")):
+        raise ConfigError(f"address must be tcp://HOST:PORT or file:///path, got "
+                          f"'{ns.address}'")
+    from gspo.rollout.remote_engine import Unreachable, serve
+
+    try:
+        serve(ns.address, device=ns.device, timeout_s=ns.timeout)
+    except Unreachable as e:
+        print(f"gspo engine: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
 COMMANDS: dict[str, Any] = {"train": cmd_train, "eval": cmd_eval, "validate": cmd_validate,
                             "plot": cmd_plot, "export": cmd_export, "compare": cmd_compare,
-                            "sft": cmd_sft, "presets": cmd_presets}
+                            "sft": cmd_sft, "presets": cmd_presets, "engine": cmd_engine}
 USAGE = """usage: gspo COMMAND [CONFIG.yaml | PRESET] [key=value ...]
 
 commands:
@@ -172,6 +197,7 @@ commands:
   sft       cold-start a tiny model on arithmetic (cached): gspo sft [key=value ...]
   compare   run the arms of a comparison file and report: gspo compare [FILE.yaml] [--quick]
   presets   list the presets shipped with gspo (gspo train tiny_cpu, gspo compare moe/compare)
+  engine    sample a trainer's async rollouts here: gspo engine tcp://TRAINER_HOST:PORT
 
 `gspo train --help` lists every config key."""
 

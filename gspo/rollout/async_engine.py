@@ -241,12 +241,16 @@ class _DeviceModel:
             self.version = version
 
 
-def _engine_main(skeleton: bytes, entries: list[_Entry], slots: list[dict[str, torch.Tensor]],
-                 slot_versions: torch.Tensor, tokenizer: Any, engine: str, opts: EngineOptions,
-                 threads: int, recompute: Recompute, requests: Any, results: Any,
-                 device: torch.device) -> None:
-    """The engine process: one model per slot (on the CPU) or one device model loaded from
-    the slot a batch needs (GPU), then batches in the order they were asked."""
+def run_engine(skeleton: bytes, entries: list[_Entry], slots: list[dict[str, torch.Tensor]],
+               slot_version: Callable[[int, int], int], tokenizer: Any, engine: str,
+               opts: EngineOptions, threads: int, recompute: Recompute,
+               next_request: Callable[[], Request | None], put: Callable[[str, Any], None],
+               device: torch.device) -> None:
+    """The engine's loop, wherever its weights and requests come from: one model per slot (on
+    the CPU) or one device model loaded from the slot a batch needs (GPU), then batches in the
+    order they were asked, each ``put("batch", (step, encoded rollout))``; any failure is
+    ``put("error", traceback)``. ``slot_version(slot, wanted)`` is the version a slot holds
+    (a transport that receives weights may first wait for ``wanted``)."""
     try:
         torch.set_num_threads(threads)
         on_device = None
@@ -259,12 +263,12 @@ def _engine_main(skeleton: bytes, entries: list[_Entry], slots: list[dict[str, t
                                                          slots[0].items()}, device)
             models = [on_device.model] * len(slots)
         engines = [build_engine(engine, m, tokenizer, opts) for m in models]
-        results.put(("ready", None))
-        while (req := _next_request(requests)) is not None:
+        put("ready", None)
+        while (req := next_request()) is not None:
             slot = req.version % len(slots)
-            if int(slot_versions[slot]) != req.version:
+            if (held := slot_version(slot, req.version)) != req.version:
                 raise RuntimeError(f"step {req.step} needs policy version {req.version}, but "
-                                   f"slot {slot} holds version {int(slot_versions[slot])}")
+                                   f"slot {slot} holds version {held}")
             start = time.perf_counter()
             if on_device is not None:
                 on_device.load(slots[slot], req.version)
@@ -272,12 +276,43 @@ def _engine_main(skeleton: bytes, entries: list[_Entry], slots: list[dict[str, t
                                           params=req.params, seeds=req.seeds)
             tlp, routing = (_trainer_logprobs(models[slot], roll, recompute) if req.recompute
                             else (None, None))
-            if int(slot_versions[slot]) != req.version:  # overwritten while sampling
+            if slot_version(slot, req.version) != req.version:  # overwritten while sampling
                 raise RuntimeError(f"slot {slot} was overwritten while sampling step {req.step}")
-            results.put(("batch", (req.step, _encode(roll, tlp, routing, req.version,
-                                                     time.perf_counter() - start))))
+            put("batch", (req.step, _encode(roll, tlp, routing, req.version,
+                                            time.perf_counter() - start)))
     except BaseException:  # the trainer raises it with this text (see AsyncEngine.take)
-        results.put(("error", traceback.format_exc()))
+        put("error", traceback.format_exc())
+
+
+def _engine_main(skeleton: bytes, entries: list[_Entry], slots: list[dict[str, torch.Tensor]],
+                 slot_versions: torch.Tensor, tokenizer: Any, engine: str, opts: EngineOptions,
+                 threads: int, recompute: Recompute, requests: Any, results: Any,
+                 device: torch.device) -> None:
+    """The engine process on this machine: slots in shared memory, requests and batches
+    through queues."""
+    run_engine(skeleton, entries, slots, lambda slot, _: int(slot_versions[slot]), tokenizer,
+               engine, opts, threads, recompute, lambda: _next_request(requests),
+               lambda kind, payload: results.put((kind, payload)), device)
+
+
+def fill_slot(slot: dict[str, torch.Tensor], entries: list[_Entry], unique: list[int],
+              model: torch.nn.Module) -> None:
+    """Copy ``model``'s weights into ``slot`` (``unique``: the first entry of each distinct
+    tensor, so tied ones are copied once)."""
+    srcs = [t for *_, t in _named_tensors(model)]
+    if all(srcs[i].device.type == "cpu" for i in unique):
+        views = _views(entries, slot)
+        torch._foreach_copy_([views[i] for i in unique], [srcs[i].detach() for i in unique])
+    else:  # a GPU policy: one device-to-host copy per dtype
+        _copy_flat(slot, entries, unique, srcs)
+
+
+def distinct(entries: list[_Entry]) -> list[int]:
+    """Index of the first entry of each distinct tensor (tied tensors share an offset)."""
+    first: dict[tuple[str, int], int] = {}
+    for i, e in enumerate(entries):
+        first.setdefault((e.dtype, e.offset), i)
+    return sorted(first.values())
 
 
 class AsyncEngine:
@@ -288,10 +323,7 @@ class AsyncEngine:
                  version: int = 0, startup_timeout_s: float = 600.0,
                  device: torch.device | None = None) -> None:
         self.entries, sizes = _layout(model)
-        first: dict[tuple[str, int], int] = {}
-        for i, e in enumerate(self.entries):
-            first.setdefault((e.dtype, e.offset), i)
-        self._unique = sorted(first.values())  # tied tensors are copied once
+        self._unique = distinct(self.entries)  # tied tensors are copied once
         self.slots = [{k: torch.empty(n, dtype=getattr(torch, k)).share_memory_()
                        for k, n in sizes.items()} for _ in range(steps_ahead + 1)]
         self.slot_versions = torch.full((len(self.slots),), -1, dtype=torch.long).share_memory_()
@@ -315,13 +347,7 @@ class AsyncEngine:
         start = time.perf_counter()
         slot = version % len(self.slots)
         self.slot_versions[slot] = -1  # a batch that reads it now fails its check
-        srcs = [t for *_, t in _named_tensors(model)]
-        if all(srcs[i].device.type == "cpu" for i in self._unique):
-            views = _views(self.entries, self.slots[slot])
-            torch._foreach_copy_([views[i] for i in self._unique],
-                                 [srcs[i].detach() for i in self._unique])
-        else:  # a GPU policy: one device-to-host copy per dtype
-            _copy_flat(self.slots[slot], self.entries, self._unique, srcs)
+        fill_slot(self.slots[slot], self.entries, self._unique, model)
         self.slot_versions[slot] = version
         return time.perf_counter() - start
 

@@ -39,6 +39,7 @@ from gspo.data.base import Example
 from gspo.rollout.async_engine import AsyncEngine, Recompute, Request, decode
 from gspo.rollout.batch import Rollout
 from gspo.rollout.engine import EngineOptions
+from gspo.rollout.remote_engine import RemoteEngine
 from gspo.trainer.moe_hooks import routing_change_stats
 
 
@@ -57,23 +58,32 @@ class AsyncRollout:
                  check: Callable[[int], bool], engine: str, opts: EngineOptions, threads: int,
                  logprob_fn: Callable[..., Any], temperature: float, chunk: int,
                  pad_id: int, device: torch.device | None = None,
-                 routing: bool = False) -> None:
+                 routing: bool = False, address: str = "") -> None:
         """``draw(step)``: the step's prompts from the task (called once per step, in order);
         ``check(step)``: whether the engine process also runs the trainer's log-prob pass on
         that step's batch (every step for ``old_logprobs=recompute``). ``device``: where the
         engine process samples (the trainer's device; default the CPU). ``routing`` (MoE
-        policies): that pass also records its expert choices (``Rollout.trainer_routing``)."""
+        policies): that pass also records its expert choices (``Rollout.trainer_routing``).
+        ``address``: meet an engine started with ``gspo engine ADDRESS`` there
+        (:class:`gspo.rollout.remote_engine.RemoteEngine`) instead of spawning one here."""
         self.k, self.total, self.draw, self.check = k, total_steps, draw, check
         self.engine_name, self.opts, self.threads = engine, opts, threads
+        self.address = address
         self.device = device if device is not None else torch.device("cpu")
         self.recompute = Recompute(logprob_fn, temperature, chunk, pad_id, routing)
-        self.engine: AsyncEngine | None = None
+        self.engine: AsyncEngine | RemoteEngine | None = None
         self.submitted = 0  # batches 0 … submitted-1 have been drawn and asked for
         self.inflight: dict[int, list[Example]] = {}
         self.ready: dict[int, tuple[list[Example], dict[str, Any]]] = {}
 
     def start(self, model: Any, tokenizer: Any, *, version: int) -> None:
         """Start the engine process on ``model``'s weights, policy version ``version``."""
+        if self.address:
+            self.engine = RemoteEngine(model, tokenizer, address=self.address,
+                                       engine=self.engine_name, opts=self.opts,
+                                       steps_ahead=self.k, threads=self.threads,
+                                       recompute=self.recompute, version=version)
+            return
         self.engine = AsyncEngine(model, tokenizer, engine=self.engine_name, opts=self.opts,
                                   steps_ahead=self.k, threads=self.threads,
                                   recompute=self.recompute, version=version,

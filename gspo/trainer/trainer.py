@@ -322,7 +322,8 @@ class Trainer:
             engine=cfg.rollout.engine, opts=self.engine_opts,
             threads=cfg.rollout.async_threads, logprob_fn=self.logprob_fn,
             temperature=cfg.rollout.temperature, chunk=cfg.logprob_chunk, pad_id=self.pad_id,
-            device=self.dist.device, routing=self.hooks.active)
+            device=self.dist.device, routing=self.hooks.active,
+            address=cfg.rollout.async_address)
 
     def _behaviour_routing(self) -> bool:
         """Whether π_old's expert choices (what R2 replays, what ``moe/routing_change``

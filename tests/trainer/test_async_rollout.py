@@ -81,6 +81,19 @@ def test_config_errors():
         load_config(None, ["rollout.async_steps=1", "rollout.engine=vllm"])
     with pytest.raises(ConfigError, match="async_steps must be >= 0"):
         load_config(None, ["rollout.async_steps=-1"])
+    with pytest.raises(ConfigError, match="async_address is used only"):
+        load_config(None, ["rollout.async_address=tcp://127.0.0.1:29500"])
+    with pytest.raises(ConfigError, match="tcp://HOST:PORT or file:///path, got 'host:1'"):
+        load_config(None, ["rollout.async_steps=1", "rollout.async_address=host:1"])
+
+
+def test_gspo_engine_refuses_an_address_it_cannot_join(capsys):
+    from gspo.cli import main
+
+    assert main(["engine", "127.0.0.1:29500"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("gspo engine: error: address must be tcp://HOST:PORT or file:///path, got "
+                   "'127.0.0.1:29500'")
 
 
 def test_behaviour_version_bounds_staleness():
@@ -335,3 +348,75 @@ def test_a_dead_engine_process_is_a_clear_error():
             eng.take(timeout_s=120)
     finally:
         eng.close()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_an_engine_started_elsewhere_gives_the_local_engines_run_bit_for_bit(tmp_path):
+    """`gspo engine ADDRESS` in another process (standing in for an inference machine): the
+    weights go by torch.distributed broadcast, requests and batches over the same link, and
+    k = 2 trains to the weights of the local engine process exactly, staleness included."""
+    import subprocess
+    import sys
+
+    extra = ["steps=4", "rollout.async_steps=2", "logging.rollout_check_every=1"]
+    local = Trainer(_cfg(tmp_path, "local", *extra), reward_fns=[char_codes]).setup()
+    try:
+        local.train()
+    finally:
+        local.cleanup()
+    address = f"tcp://127.0.0.1:{_free_port()}"
+    engine = subprocess.Popen([sys.executable, "-m", "gspo", "engine", address,
+                               "--timeout", "300"], stderr=subprocess.PIPE, text=True)
+    try:
+        remote = Trainer(_cfg(tmp_path, "remote", *extra, f"rollout.async_address={address}"),
+                         reward_fns=[char_codes]).setup()
+        try:
+            remote.train()
+        finally:
+            remote.cleanup()
+        assert engine.wait(timeout=60) == 0, engine.stderr.read()
+    finally:
+        engine.kill()
+    a, b = (load_file(t.run_dir / "checkpoints/step_000004/model.safetensors")
+            for t in (local, remote))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    rows_local, rows_remote = _rows(local), _rows(remote)
+    assert [r["train/loss"] for r in rows_local] == [r["train/loss"] for r in rows_remote]
+    assert [r["async/staleness_max"] for r in rows_remote] == [0, 1, 2, 2]
+    assert all(r["async/engine_mismatch_abs_max"] < 3e-5 for r in rows_remote)
+    assert all(r["time/weight_sync_s"] > 0 for r in rows_remote[:-1])
+
+
+@pytest.mark.slow
+def test_an_engine_started_elsewhere_reports_its_failure_to_the_trainer(tmp_path):
+    """A request for a version the trainer never published: the engine waits for it (here
+    3 s), then the trainer's take raises with the engine's own error."""
+    import subprocess
+    import sys
+
+    from gspo.models import token_logprobs
+    from gspo.rollout.async_engine import Recompute
+    from gspo.rollout.remote_engine import RemoteEngine
+
+    address = f"file://{tmp_path}/store"
+    engine = subprocess.Popen([sys.executable, "-m", "gspo", "engine", address,
+                               "--timeout", "3"], stderr=subprocess.PIPE, text=True)
+    model, tok = load_model("tiny:llama", seed=0)
+    eng = RemoteEngine(model, tok, address=address, engine="hf", opts=EngineOptions(),
+                       steps_ahead=1, threads=1, recompute=Recompute(token_logprobs, 1.0, 8, 0),
+                       timeout_s=120)
+    try:
+        eng.submit(Request(0, 3, [[1, 2]], 2, SamplingParams(3, 1.0), [0], False))
+        with pytest.raises(RuntimeError, match="needs policy version 3, but slot 1 holds"):
+            eng.take()
+    finally:
+        eng.close()
+        assert engine.wait(timeout=60) == 0, engine.stderr.read()

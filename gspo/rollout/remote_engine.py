@@ -1,0 +1,213 @@
+"""``rollout.async_address``: the async rollout engine in a process started elsewhere, reached
+over ``torch.distributed``.
+
+:class:`gspo.rollout.async_engine.AsyncEngine` spawns its engine process on the trainer's
+machine and shares the weight slots with it in memory. Here the engine is started on its own,
+on an inference machine or beside the trainer, with ``gspo engine ADDRESS`` (:func:`serve`),
+and the trainer (:class:`RemoteEngine`, same ``publish / submit / take / close`` as
+``AsyncEngine``) meets it at ``ADDRESS``, a ``torch.distributed`` init method
+(``tcp://HOST:PORT``, where the trainer listens, or ``file:///shared/path``). The two form a
+world of two processes (trainer rank 0, engine rank 1) over gloo, with two groups:
+
+- **messages** (the default group, point to point): the set-up (the model without its weights,
+  the tokenizer, the engine's options), then requests one way and batches the other, each a
+  pickled object in a uint8 tensor after its length. Sends do not wait for the receiver
+  (``isend``), so the trainer trains while a request is in flight and the engine samples on
+  while a batch waits to be taken.
+- **weights** (a second group): after every update the trainer broadcasts a header (the
+  version) and then one flat buffer per dtype, its policy copied into one send buffer. The
+  engine keeps the ``k + 1`` slots in its own memory and a thread that waits in that broadcast
+  and fills slot ``version % (k + 1)``. The argument of :mod:`gspo.rollout.async_engine` for
+  why ``k + 1`` slots need no lock holds unchanged: the trainer publishes version ``v`` only
+  after it has *received* the batch of step ``v - 1``, which the engine sends once it has
+  finished reading slot ``v - k - 1``. A request whose version has not arrived yet waits for
+  it.
+
+The engine samples exactly as the local engine process does (the same
+:func:`gspo.rollout.async_engine.run_engine`), so for the same weights it returns the same
+batches. Both ends must run the same gspo and torch versions (they exchange pickles). Tested
+here between two processes on one machine (``tcp://127.0.0.1``); across machines it is the
+same gloo TCP transport, not tested.
+"""
+
+from __future__ import annotations
+
+import datetime
+import pickle
+import threading
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gspo.rollout.async_engine import (
+    Recompute,
+    Request,
+    _layout,
+    _skeleton,
+    distinct,
+    fill_slot,
+    run_engine,
+)
+from gspo.rollout.engine import EngineOptions
+
+TRAINER, ENGINE = 0, 1
+STOP = -1  # a weights header that ends the engine's receiving thread
+
+
+class _Messages:
+    """Pickled objects to and from the other process over the default group."""
+
+    def __init__(self, peer: int) -> None:
+        self.peer = peer
+        self.pending: list[tuple[Any, torch.Tensor]] = []  # sends in flight and their tensors
+
+    def send(self, obj: Any) -> None:
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        size = torch.tensor([data.numel()], dtype=torch.long)
+        self.pending = [(w, t) for w, t in self.pending if not w.is_completed()]
+        self.pending += [(dist.isend(size, self.peer), size), (dist.isend(data, self.peer), data)]
+
+    def recv(self) -> Any:
+        size = torch.zeros(1, dtype=torch.long)
+        dist.recv(size, self.peer)
+        data = torch.empty(int(size), dtype=torch.uint8)
+        dist.recv(data, self.peer)
+        return pickle.loads(data.numpy().tobytes())
+
+    def flush(self) -> None:
+        for work, _ in self.pending:
+            work.wait()
+        self.pending = []
+
+
+class Unreachable(ConnectionError):
+    """The other end did not join at the address in time."""
+
+
+def _join(address: str, rank: int, timeout_s: float) -> Any:
+    """Join the world of two at ``address``; the weights group."""
+    try:
+        dist.init_process_group("gloo", init_method=address, rank=rank, world_size=2,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+    except dist.DistError as e:
+        other = ("no engine joined (start one with `gspo engine ADDRESS`)" if rank == TRAINER
+                 else "no trainer to join (it listens once it starts with "
+                 "rollout.async_address=ADDRESS)")
+        detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise Unreachable(f"{address}: {other} within {timeout_s:.0f} s ({detail})") from None
+    return dist.new_group([TRAINER, ENGINE], backend="gloo")
+
+
+class RemoteEngine:
+    """The trainer's side (rank 0): the same calls as
+    :class:`gspo.rollout.async_engine.AsyncEngine`, to an engine started by ``gspo engine``.
+    ``timeout_s`` bounds the wait for the engine to join and for each message."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, *, address: str, engine: str,
+                 opts: EngineOptions, steps_ahead: int, threads: int, recompute: Recompute,
+                 version: int = 0, timeout_s: float = 1800.0) -> None:
+        if dist.is_initialized():
+            raise RuntimeError("rollout.async_address: this process already belongs to a "
+                               "torch.distributed world (torchrun); run the trainer alone")
+        self.weights = _join(address, TRAINER, timeout_s)
+        self.messages = _Messages(ENGINE)
+        self.entries, sizes = _layout(model)
+        self._unique = distinct(self.entries)
+        self.keys = sorted(sizes)  # both ends send and receive the dtypes in this order
+        self.buffer = {k: torch.empty(n, dtype=getattr(torch, k)) for k, n in sizes.items()}
+        self.bytes_per_slot = sum(t.numel() * t.element_size() for t in self.buffer.values())
+        self.messages.send({"skeleton": _skeleton(model), "entries": self.entries,
+                            "sizes": sizes, "slots": steps_ahead + 1, "tokenizer": tokenizer,
+                            "engine": engine, "opts": opts, "threads": threads,
+                            "recompute": recompute})
+        self.publish(model, version)
+        kind, payload = self.messages.recv()
+        if kind != "ready":
+            raise RuntimeError(f"rollout engine at {address} did not start:\n{payload}")
+
+    @torch.no_grad()
+    def publish(self, model: torch.nn.Module, version: int) -> float:
+        """Broadcast ``model``'s weights as version ``version``; the seconds it took."""
+        start = time.perf_counter()
+        fill_slot(self.buffer, self.entries, self._unique, model)
+        dist.broadcast(torch.tensor([version]), TRAINER, group=self.weights)
+        for k in self.keys:
+            dist.broadcast(self.buffer[k], TRAINER, group=self.weights)
+        return time.perf_counter() - start
+
+    def submit(self, req: Request) -> None:
+        self.messages.send(req)
+
+    def take(self) -> tuple[int, dict[str, Any]]:
+        """The next finished batch, in submission order: (step, encoded rollout)."""
+        kind, payload = self.messages.recv()
+        if kind != "batch":
+            raise RuntimeError(f"rollout engine failed:\n{payload}")
+        return payload
+
+    def close(self) -> None:
+        """Stop the engine (it exits) and leave the world; quietly if the engine is gone."""
+        try:
+            self.messages.send(None)
+            dist.broadcast(torch.tensor([STOP]), TRAINER, group=self.weights)
+            self.messages.flush()
+        except RuntimeError:
+            pass
+        finally:
+            dist.destroy_process_group()
+
+
+class _Slots:
+    """The engine's ``k + 1`` weight slots and the thread that receives versions into them."""
+
+    def __init__(self, group: Any, sizes: dict[str, int], n: int, timeout_s: float) -> None:
+        self.group, self.timeout_s = group, timeout_s
+        self.slots = [{k: torch.empty(m, dtype=getattr(torch, k)) for k, m in sizes.items()}
+                      for _ in range(n)]
+        self.keys = sorted(sizes)
+        self.versions = [-1] * n
+        self.cond = threading.Condition()
+        self.thread = threading.Thread(target=self._receive, name="gspo-weights", daemon=True)
+        self.thread.start()
+
+    def _receive(self) -> None:
+        header = torch.zeros(1, dtype=torch.long)
+        while True:
+            dist.broadcast(header, TRAINER, group=self.group)
+            version = int(header)
+            if version == STOP:
+                return
+            slot = version % len(self.slots)
+            with self.cond:
+                self.versions[slot] = -1
+            for k in self.keys:
+                dist.broadcast(self.slots[slot][k], TRAINER, group=self.group)
+            with self.cond:
+                self.versions[slot] = version
+                self.cond.notify_all()
+
+    def version(self, slot: int, wanted: int) -> int:
+        """The version ``slot`` holds, once it holds ``wanted`` (or after ``timeout_s``)."""
+        with self.cond:
+            self.cond.wait_for(lambda: self.versions[slot] == wanted, timeout=self.timeout_s)
+            return self.versions[slot]
+
+
+def serve(address: str, *, device: str = "cpu", timeout_s: float = 1800.0) -> None:
+    """The engine's side (rank 1, ``gspo engine ADDRESS``): join the trainer at ``address``,
+    sample the batches it asks for until it closes, then return."""
+    group = _join(address, ENGINE, timeout_s)
+    try:
+        messages = _Messages(TRAINER)
+        setup = messages.recv()
+        slots = _Slots(group, setup["sizes"], setup["slots"], timeout_s)
+        run_engine(setup["skeleton"], setup["entries"], slots.slots, slots.version,
+                   setup["tokenizer"], setup["engine"], setup["opts"], setup["threads"],
+                   setup["recompute"], messages.recv,
+                   lambda kind, payload: messages.send((kind, payload)), torch.device(device))
+        messages.flush()
+        slots.thread.join(timeout=timeout_s)
+    finally:
+        dist.destroy_process_group()
