@@ -14,8 +14,9 @@
 #   0. environment: nvidia-smi, torch/CUDA, transformers
 #   1. the CUDA tests (pytest -m cuda: device placement, sampler = trainer log-probs on the GPU,
 #      async engine on the GPU, MoE with R2/R3 replay, resume)
-#   2. the default job on CUDA, a few steps: sync (k=0) and async (rollout.async_steps=1);
-#      s/step, response tok/s, peak GPU memory, the rollout-vs-trainer log-prob gap
+#   2. the default job on CUDA, a few steps: sync (k=0) and async (rollout.async_steps=1), the
+#      latter also with its engine started by `gspo engine` (rollout.async_address); s/step,
+#      response tok/s, peak GPU memory, the rollout-vs-trainer log-prob gap
 #   3. the whole default job on CUDA (held-out accuracy before -> after, wall time)
 #   4. the official vllm engine (rollout.engine=vllm), when vllm is importable
 #   5. the upcycled MoE comparison (configs/moe/upcycled_compare.yaml, issue 16): its 15 runs on
@@ -155,6 +156,15 @@ SHORT=(model="$MODEL" device="$DEVICE" steps="$STEPS" eval_before=false task.eva
        logging.samples_every=0 save_final=false)
 run default_sync_cuda 180 "${SHORT[@]}"
 run default_async1_cuda 180 "${SHORT[@]}" rollout.async_steps=1
+# the same with the engine started on its own (`gspo engine`, rollout.async_address): weights
+# by a torch.distributed (gloo) broadcast instead of shared memory; time/weight_sync_s in its log
+PORT=$("$PY" -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
+timeout --kill-after=20 240 "$PY" -m gspo engine "tcp://127.0.0.1:$PORT" --device "$DEVICE" \
+    --timeout 200 > "$RESULTS/logs/default_async1_remote_engine.log" 2>&1 &
+ENGINE_PID=$!
+run default_async1_remote_cuda 180 "${SHORT[@]}" rollout.async_steps=1 \
+    rollout.async_address="tcp://127.0.0.1:$PORT"
+wait "$ENGINE_PID" 2>/dev/null || note "remote engine: exit $? (log: $RESULTS/logs/default_async1_remote_engine.log)"
 run default_full_cuda 300 model="$MODEL" device="$DEVICE" save_final=false
 "$PY" scripts/gpu_check_summary.py --phases "$RESULTS"/runs/default_* >> "$RES" 2>/dev/null
 if [ -f "$RESULTS/runs/default_full_cuda/final_eval.json" ]; then
