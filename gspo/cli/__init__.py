@@ -21,9 +21,10 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from gspo.models import ModelError
     from gspo.objectives import UnknownNameError
     from gspo.rewards import RewardError, RewardSpecError
+    from gspo.rollout.remote_engine import Unreachable
 
     return (*USER_ERRORS, DataError, ModelError, UnknownNameError, RewardError,
-            RewardSpecError)
+            RewardSpecError, Unreachable)
 
 
 def _split_args(args: list[str]) -> tuple[str | None, list[str]]:

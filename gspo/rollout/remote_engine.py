@@ -112,20 +112,25 @@ class RemoteEngine:
             raise RuntimeError("rollout.async_address: this process already belongs to a "
                                "torch.distributed world (torchrun); run the trainer alone")
         self.weights = _join(address, TRAINER, timeout_s)
-        self.messages = _Messages(ENGINE)
-        self.entries, sizes = _layout(model)
-        self._unique = distinct(self.entries)
-        self.keys = sorted(sizes)  # both ends send and receive the dtypes in this order
-        self.buffer = {k: torch.empty(n, dtype=getattr(torch, k)) for k, n in sizes.items()}
-        self.bytes_per_slot = sum(t.numel() * t.element_size() for t in self.buffer.values())
-        self.messages.send({"skeleton": _skeleton(model), "entries": self.entries,
-                            "sizes": sizes, "slots": steps_ahead + 1, "tokenizer": tokenizer,
-                            "engine": engine, "opts": opts, "threads": threads,
-                            "recompute": recompute})
-        self.publish(model, version)
-        kind, payload = self.messages.recv()
-        if kind != "ready":
-            raise RuntimeError(f"rollout engine at {address} did not start:\n{payload}")
+        self.closed = False
+        try:
+            self.messages = _Messages(ENGINE)
+            self.entries, sizes = _layout(model)
+            self._unique = distinct(self.entries)
+            self.keys = sorted(sizes)  # both ends send and receive the dtypes in this order
+            self.buffer = {k: torch.empty(n, dtype=getattr(torch, k)) for k, n in sizes.items()}
+            self.bytes_per_slot = sum(t.numel() * t.element_size() for t in self.buffer.values())
+            self.messages.send({"skeleton": _skeleton(model), "entries": self.entries,
+                                "sizes": sizes, "slots": steps_ahead + 1, "tokenizer": tokenizer,
+                                "engine": engine, "opts": opts, "threads": threads,
+                                "recompute": recompute})
+            self.publish(model, version)
+            kind, payload = self.messages.recv()
+            if kind != "ready":
+                raise RuntimeError(f"rollout engine at {address} did not start:\n{payload}")
+        except BaseException:
+            self.close()
+            raise
 
     @torch.no_grad()
     def publish(self, model: torch.nn.Module, version: int) -> float:
@@ -149,6 +154,9 @@ class RemoteEngine:
 
     def close(self) -> None:
         """Stop the engine (it exits) and leave the world; quietly if the engine is gone."""
+        if self.closed:
+            return
+        self.closed = True
         try:
             self.messages.send(None)
             dist.broadcast(torch.tensor([STOP]), TRAINER, group=self.weights)
