@@ -242,7 +242,7 @@ class _DeviceModel:
 
 
 def run_engine(skeleton: bytes, entries: list[_Entry], slots: list[dict[str, torch.Tensor]],
-               slot_version: Callable[[int, int], int], tokenizer: Any, engine: str,
+               slot_version: Callable[[int, int | None], int], tokenizer: Any, engine: str,
                opts: EngineOptions, threads: int, recompute: Recompute,
                next_request: Callable[[], Request | None], put: Callable[[str, Any], None],
                device: torch.device) -> None:
@@ -250,7 +250,7 @@ def run_engine(skeleton: bytes, entries: list[_Entry], slots: list[dict[str, tor
     the CPU) or one device model loaded from the slot a batch needs (GPU), then batches in the
     order they were asked, each ``put("batch", (step, encoded rollout))``; any failure is
     ``put("error", traceback)``. ``slot_version(slot, wanted)`` is the version a slot holds
-    (a transport that receives weights may first wait for ``wanted``)."""
+    (a transport that receives weights may first wait for ``wanted``; None: do not wait)."""
     try:
         torch.set_num_threads(threads)
         on_device = None
@@ -276,7 +276,7 @@ def run_engine(skeleton: bytes, entries: list[_Entry], slots: list[dict[str, tor
                                           params=req.params, seeds=req.seeds)
             tlp, routing = (_trainer_logprobs(models[slot], roll, recompute) if req.recompute
                             else (None, None))
-            if slot_version(slot, req.version) != req.version:  # overwritten while sampling
+            if slot_version(slot, None) != req.version:  # overwritten while sampling
                 raise RuntimeError(f"slot {slot} was overwritten while sampling step {req.step}")
             put("batch", (req.step, _encode(roll, tlp, routing, req.version,
                                             time.perf_counter() - start)))

@@ -196,10 +196,13 @@ class _Slots:
                 self.versions[slot] = version
                 self.cond.notify_all()
 
-    def version(self, slot: int, wanted: int) -> int:
-        """The version ``slot`` holds, once it holds ``wanted`` (or after ``timeout_s``)."""
+    def version(self, slot: int, wanted: int | None) -> int:
+        """The version ``slot`` holds, once it holds ``wanted`` (or after ``timeout_s``); now,
+        with ``wanted`` None."""
         with self.cond:
-            self.cond.wait_for(lambda: self.versions[slot] == wanted, timeout=self.timeout_s)
+            if wanted is not None:
+                self.cond.wait_for(lambda: self.versions[slot] == wanted,
+                                   timeout=self.timeout_s)
             return self.versions[slot]
 
 
