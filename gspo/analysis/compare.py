@@ -15,13 +15,13 @@ import dataclasses
 import fcntl
 import gc
 import json
-import multiprocessing
 import os
+import pickle
 import shutil
+import subprocess
 import sys
 import time
 from collections.abc import Callable
-from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
 
@@ -163,29 +163,26 @@ def run_probe(spec: CompareSpec, seed: int, runs_dir: Path, extra: list[str],
     return res
 
 
-def _child(cfg: TrainConfig, info: dict[str, Any], log_path: str) -> None:
-    """One run of :func:`run_side_by_side`, in a spawned process: its output (and a traceback,
-    if it fails) goes to ``log_path``."""
-    with open(log_path, "a", buffering=1) as f:
-        os.dup2(f.fileno(), 1)
-        os.dup2(f.fileno(), 2)
-        sys.stdout = sys.stderr = f
-        run_one(cfg, info, print)
+def _child() -> None:
+    """One run of :func:`run_side_by_side`, in its own Python process: ``(config, info)``
+    pickled on stdin; output (and a traceback, if it fails) to the log on stdout/stderr."""
+    cfg, info = pickle.load(sys.stdin.buffer)
+    run_one(cfg, info, lambda line: print(line, flush=True))
 
 
 def run_side_by_side(todo: list[tuple[TrainConfig, dict[str, Any]]], jobs: int,
-                     log: Callable[[str], None] = print) -> None:
-    """Train each ``(config, info)`` of ``todo`` with :func:`run_one` in its own process, at
-    most ``jobs`` at a time, in order. A run's output goes to ``<run folder>.log`` beside it.
+                     log: Callable[[str], None] = print, poll_s: float = 0.5) -> None:
+    """Train each ``(config, info)`` of ``todo`` with :func:`run_one` in its own Python
+    process, at most ``jobs`` at a time, in order. A run's output goes to ``<run folder>.log``
+    beside it.
 
-    Each process is spawned (not forked: the parent may hold torch threads) and is not a
-    daemon, so a run's own engine process (``rollout.async_steps``) can start. Runs that fail
-    do not stop the others; once all have ended, :class:`RunFailed` names every one that
+    The processes are started afresh (``python -c``, not forked: the parent may hold torch
+    threads), so each can start its own engine process (``rollout.async_steps``). Runs that
+    fail do not stop the others; once all have ended, :class:`RunFailed` names every one that
     failed and its log. Interrupted (Ctrl-C), the parent terminates the runs it started.
     """
-    ctx = multiprocessing.get_context("spawn")
     queue = list(todo)
-    running: dict[Any, tuple[Any, str, Path]] = {}  # by the process's sentinel
+    running: list[tuple[subprocess.Popen[bytes], str, Path]] = []
     failed: list[str] = []
     try:
         while queue or running:
@@ -193,25 +190,31 @@ def run_side_by_side(todo: list[tuple[TrainConfig, dict[str, Any]]], jobs: int,
                 cfg, info = queue.pop(0)
                 log_path = Path(cfg.output_dir) / f"{cfg.run_name}.log"
                 log_path.parent.mkdir(parents=True, exist_ok=True)
-                proc = ctx.Process(target=_child, args=(cfg, info, str(log_path)),
-                                   name=cfg.run_name)
-                proc.start()
-                running[proc.sentinel] = (proc, cfg.run_name, log_path)
+                with open(log_path, "wb") as out:
+                    proc = subprocess.Popen(
+                        [sys.executable, "-c", "from gspo.analysis.compare import _child; "
+                         "_child()"], stdin=subprocess.PIPE, stdout=out,
+                        stderr=subprocess.STDOUT)
+                assert proc.stdin is not None
+                proc.stdin.write(pickle.dumps((cfg, info)))
+                proc.stdin.close()
+                running.append((proc, cfg.run_name, log_path))
                 log(f"{cfg.run_name}: started (log {log_path})")
-            for sentinel in wait(list(running)):
-                proc, name, log_path = running.pop(sentinel)
-                proc.join()
-                if proc.exitcode == 0:
+            time.sleep(poll_s)
+            for item in [r for r in running if r[0].poll() is not None]:
+                running.remove(item)
+                proc, name, log_path = item
+                if proc.returncode == 0:
                     lines = log_path.read_text(errors="replace").strip().splitlines()
                     log(lines[-1] if lines else f"{name}: finished")
                 else:
-                    failed.append(f"{name} (exit code {proc.exitcode}; log {log_path})")
-                    log(f"{name}: failed with exit code {proc.exitcode}, see {log_path}")
+                    failed.append(f"{name} (exit code {proc.returncode}; log {log_path})")
+                    log(f"{name}: failed with exit code {proc.returncode}, see {log_path}")
     except BaseException:
-        for proc, _, _ in running.values():
+        for proc, _, _ in running:
             proc.terminate()
-        for proc, _, _ in running.values():
-            proc.join()
+        for proc, _, _ in running:
+            proc.wait()
         raise
     if failed:
         raise RunFailed(f"{len(failed)} of {len(todo)} runs failed: {', '.join(failed)}")
