@@ -24,6 +24,8 @@ one host-to-device copy per dtype.
 
 Only engines that sample from the module they are given (``shares_policy_weights``, i.e.
 ``hf``) can run here; a vLLM engine would use its own server process instead (not built).
+An engine started elsewhere (``gspo engine ADDRESS``, :mod:`gspo.rollout.remote_engine`) runs
+the same loop (:func:`run_engine`) on weights it receives by ``torch.distributed`` broadcast.
 """
 
 from __future__ import annotations
