@@ -30,6 +30,8 @@ benchmark's, configured the same way. Arms (``--arms``), each with its thread co
   the π_old pass (``old_logprobs=recompute`` in the async loop); ``async1@2+1``: k = 1 with the
   trainer on 2 threads and the engine on 1, 3 threads on the 2 cores (the trainer gets both
   while the engine waits, shares them while it samples); its FLOP limit is the 2-thread one;
+  ``async1-remote@1+1``: ``async1@1+1`` with the engine started by ``gspo engine`` in a
+  process of its own (``rollout.async_address``, weights by torch.distributed broadcast);
 - ``trl@2`` (and ``trl@1``): TRL's GRPOTrainer on 2 (1) threads, the same total cores.
 
 The primary clock is wall time (an async arm runs two processes; CPU time of one says nothing).
@@ -49,6 +51,8 @@ phase (rollout, π_old pass, update). An async step does the same work in two pr
 from __future__ import annotations
 
 import argparse
+import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -85,6 +89,8 @@ ARMS: dict[str, tuple[str, int, int, list[str]]] = {
     "sync-bf16@2": ("gspo", 2, 0, ["rollout.precision=bf16"]),
     "async1@1+1": ("gspo", 1, 1, ["rollout.async_steps=1", "rollout.async_threads=1"]),
     "async2@1+1": ("gspo", 1, 1, ["rollout.async_steps=2", "rollout.async_threads=1"]),
+    # the engine started on its own (`gspo engine`): weights by torch.distributed broadcast
+    "async1-remote@1+1": ("gspo", 1, 1, ["rollout.async_steps=1", "rollout.async_threads=1"]),
     # the trainer on both cores, the engine on one of them too: 3 threads on 2 cores
     "async1@2+1": ("gspo", 2, 1, ["rollout.async_steps=1", "rollout.async_threads=1"]),
     "trl@1": ("trl", 1, 0, []),
@@ -159,7 +165,19 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     if lib and lib not in Path("/proc/self/maps").read_text():
         raise RuntimeError(f"{spec['arm']}: {lib} was not preloaded")
     child = {**spec, "threads": threads, "overrides": overrides}
-    out = run_trl(child) if kind == "trl" else run_gspo({**child, "arm": "gspo"})
+    if "-remote@" in spec["arm"]:  # its engine: `gspo engine ADDRESS` in a process of its own
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            address = f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+        server = subprocess.Popen([sys.executable, "-m", "gspo", "engine", address])
+        try:
+            out = run_gspo({**child, "arm": "gspo",
+                            "overrides": [*overrides, f"rollout.async_address={address}"]})
+            server.wait(timeout=120)
+        finally:
+            server.kill()
+    else:
+        out = run_trl(child) if kind == "trl" else run_gspo({**child, "arm": "gspo"})
     out["arm"] = spec["arm"]
     return out
 

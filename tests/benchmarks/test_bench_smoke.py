@@ -133,7 +133,7 @@ def test_async_benchmark_arms_flops_and_summary(tmp_path):
 
     data = bench_async.main(["--model", "tiny:llama", "--group-size", "2", "--max-new-tokens",
                              "4", "--steps", "2", "--warmup", "0", "--reps", "1",
-                             "--arms", "sync@1,sync@2,async1@1+1,async1@2+1", "--out",
+                             "--arms", "sync@1,sync@2,async1@1+1,async1@2+1,async1-remote@1+1", "--out",
                              str(tmp_path)])
     flops, summary = data["flops"], data["summary"]
     assert flops["total"] > 0 and flops["rollout"] > 0 and flops["update"] > 0
@@ -141,6 +141,7 @@ def test_async_benchmark_arms_flops_and_summary(tmp_path):
     # 3 threads on 2 cores: measured against the 2-thread limit
     over = summary["arms"]["async1@2+1"]
     assert over["threads"] == 3 and 0 < over["frac_of_limit"] < float("inf")
+    assert summary["arms"]["async1-remote@1+1"]["n_steps"] == 2  # its engine: `gspo engine`
     assert set(summary["thread_scaling"]) >= {"step_s", "rollout_s", "update_s"}
     assert "async1@1+1 vs sync@1" in summary["async_vs_bound"]
     text = (tmp_path / "async_tiny-llama.md").read_text()
