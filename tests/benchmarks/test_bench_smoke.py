@@ -133,8 +133,8 @@ def test_async_benchmark_arms_flops_and_summary(tmp_path):
 
     data = bench_async.main(["--model", "tiny:llama", "--group-size", "2", "--max-new-tokens",
                              "4", "--steps", "2", "--warmup", "0", "--reps", "1",
-                             "--arms", "sync@1,sync@2,async1@1+1,async1@2+1,async1-remote@1+1", "--out",
-                             str(tmp_path)])
+                             "--arms", "sync@1,sync@2,async1@1+1,async1@2+1,async1-remote@1+1",
+                             "--out", str(tmp_path)])
     flops, summary = data["flops"], data["summary"]
     assert flops["total"] > 0 and flops["rollout"] > 0 and flops["update"] > 0
     assert summary["arms"]["async1@1+1"]["threads"] == 2
