@@ -260,20 +260,28 @@ def _sync_and_zero_staleness_pipeline(tmp_path, monkeypatch, *extra):
     reachable from the config, which runs the plain loop then); asserts equal weights and
     losses, returns both runs' metrics rows."""
     extra = ["steps=3", "logging.rollout_check_every=0", *extra]
-    sync = Trainer(_cfg(tmp_path, "sync", *extra), reward_fns=[char_codes]).setup()
-    sync.train()
+    sync = _trained(_cfg(tmp_path, "sync", *extra))
     monkeypatch.setattr(Trainer, "_async_rollout", lambda self, k: self._pipeline(0))
-    pipe = Trainer(_cfg(tmp_path, "pipe", *extra), reward_fns=[char_codes]).setup()
+    pipe = _trained(_cfg(tmp_path, "pipe", *extra))
+    _assert_same_run(sync, pipe, step=3)
+    return _rows(sync), _rows(pipe)
+
+
+def _trained(cfg):
+    trainer = Trainer(cfg, reward_fns=[char_codes]).setup()
     try:
-        pipe.train()
+        trainer.train()
     finally:
-        pipe.cleanup()
-    a, b = (load_file(t.run_dir / "checkpoints/step_000003/model.safetensors")
-            for t in (sync, pipe))
-    assert all(torch.equal(a[k], b[k]) for k in a)
-    rows_sync, rows_pipe = _rows(sync), _rows(pipe)
-    assert [r["train/loss"] for r in rows_sync] == [r["train/loss"] for r in rows_pipe]
-    return rows_sync, rows_pipe
+        trainer.cleanup()
+    return trainer
+
+
+def _assert_same_run(a, b, *, step):
+    """The same weights at ``step``, bit for bit, and the same losses on the way."""
+    wa, wb = (load_file(t.run_dir / f"checkpoints/step_{step:06d}/model.safetensors")
+              for t in (a, b))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert [r["train/loss"] for r in _rows(a)] == [r["train/loss"] for r in _rows(b)]
 
 
 @pytest.mark.slow
@@ -367,29 +375,17 @@ def test_an_engine_started_elsewhere_gives_the_local_engines_run_bit_for_bit(tmp
     import sys
 
     extra = ["steps=4", "rollout.async_steps=2", "logging.rollout_check_every=1"]
-    local = Trainer(_cfg(tmp_path, "local", *extra), reward_fns=[char_codes]).setup()
-    try:
-        local.train()
-    finally:
-        local.cleanup()
+    local = _trained(_cfg(tmp_path, "local", *extra))
     address = f"tcp://127.0.0.1:{_free_port()}"
     engine = subprocess.Popen([sys.executable, "-m", "gspo", "engine", address,
                                "--timeout", "300"], stderr=subprocess.PIPE, text=True)
     try:
-        remote = Trainer(_cfg(tmp_path, "remote", *extra, f"rollout.async_address={address}"),
-                         reward_fns=[char_codes]).setup()
-        try:
-            remote.train()
-        finally:
-            remote.cleanup()
+        remote = _trained(_cfg(tmp_path, "remote", *extra, f"rollout.async_address={address}"))
         assert engine.wait(timeout=60) == 0, engine.stderr.read()
     finally:
         engine.kill()
-    a, b = (load_file(t.run_dir / "checkpoints/step_000004/model.safetensors")
-            for t in (local, remote))
-    assert all(torch.equal(a[k], b[k]) for k in a)
-    rows_local, rows_remote = _rows(local), _rows(remote)
-    assert [r["train/loss"] for r in rows_local] == [r["train/loss"] for r in rows_remote]
+    _assert_same_run(local, remote, step=4)
+    rows_remote = _rows(remote)
     assert [r["async/staleness_max"] for r in rows_remote] == [0, 1, 2, 2]
     assert all(r["async/engine_mismatch_abs_max"] < 3e-5 for r in rows_remote)
     assert all(r["time/weight_sync_s"] > 0 for r in rows_remote[:-1])
