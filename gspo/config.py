@@ -511,6 +511,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return cfg
 
 
+def check_engine_address(address: str, what: str) -> None:
+    """Where a trainer and a ``gspo engine`` meet: a torch.distributed init method it supports."""
+    _check(address.startswith(("tcp://", "file://")),
+           f"{what} must be tcp://HOST:PORT or file:///path, got '{address}'")
+
+
 def _check(cond: bool, msg: str) -> None:
     if not cond:
         raise ConfigError(msg)
@@ -553,9 +559,8 @@ def validate(cfg: TrainConfig) -> None:
            "rollout.async_threads is used only with rollout.async_steps > 0")
     _check(r.async_steps > 0 or not r.async_address,
            "rollout.async_address is used only with rollout.async_steps > 0")
-    _check(not r.async_address or r.async_address.startswith(("tcp://", "file://")),
-           f"rollout.async_address must be tcp://HOST:PORT or file:///path, got "
-           f"'{r.async_address}'")
+    if r.async_address:
+        check_engine_address(r.async_address, "rollout.async_address")
     _check(r.async_steps == 0 or r.engine == "hf",
            "rollout.async_steps > 0 needs rollout.engine=hf (an async vLLM server is not built)")
     _check(r.async_steps == 0 or (r.max_turns == 1 and not r.dynamic_sampling),

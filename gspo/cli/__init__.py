@@ -9,7 +9,14 @@ from typing import Any
 
 from gspo import presets
 from gspo.analysis.spec import is_compare_file, load_spec
-from gspo.config import ConfigError, TrainConfig, describe_fields, load_config, resolve_path
+from gspo.config import (
+    ConfigError,
+    TrainConfig,
+    check_engine_address,
+    describe_fields,
+    load_config,
+    resolve_path,
+)
 
 EXIT_USAGE = 2
 EXIT_GUARD_STOP = 3  # the run's guard stopped it (see guard.on_fault); a checkpoint was written
@@ -171,9 +178,7 @@ def cmd_engine(argv: list[str]) -> int:
     p.add_argument("--timeout", type=float, default=1800.0,
                    help="seconds to wait for the trainer and for each of its messages")
     ns = p.parse_args(argv)
-    if not ns.address.startswith(("tcp://", "file://")):
-        raise ConfigError(f"address must be tcp://HOST:PORT or file:///path, got "
-                          f"'{ns.address}'")
+    check_engine_address(ns.address, "address")
     from gspo.rollout.remote_engine import serve
 
     serve(ns.address, device=ns.device, timeout_s=ns.timeout)  # no trainer: Unreachable
