@@ -51,7 +51,6 @@ phase (rollout, π_old pass, update). An async step does the same work in two pr
 from __future__ import annotations
 
 import argparse
-import socket
 import subprocess
 import sys
 import time
@@ -59,7 +58,16 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.bench_vs_trl import add_step_arguments, run_gspo, run_trl
-from benchmarks.common import abba, fmt, machine, median, result_name, run_child, write_result
+from benchmarks.common import (
+    abba,
+    fmt,
+    local_address,
+    machine,
+    median,
+    result_name,
+    run_child,
+    write_result,
+)
 
 # arm -> (engine "gspo"/"trl", trainer threads, engine threads (0: sync), extra overrides)
 ARMS: dict[str, tuple[str, int, int, list[str]]] = {
@@ -166,9 +174,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         raise RuntimeError(f"{spec['arm']}: {lib} was not preloaded")
     child = {**spec, "threads": threads, "overrides": overrides}
     if "-remote@" in spec["arm"]:  # its engine: `gspo engine ADDRESS` in a process of its own
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            address = f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+        address = local_address()
         server = subprocess.Popen([sys.executable, "-m", "gspo", "engine", address])
         try:
             out = run_gspo({**child, "arm": "gspo",

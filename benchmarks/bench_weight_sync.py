@@ -17,20 +17,13 @@ runs with ``--threads`` torch threads; each engine process with one.
 from __future__ import annotations
 
 import argparse
-import socket
 import subprocess
 import sys
 import time
 
 import torch
 
-from benchmarks.common import abba, fmt, machine, median, result_name, write_result
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from benchmarks.common import abba, fmt, local_address, machine, median, result_name, write_result
 
 
 def main() -> None:
@@ -50,7 +43,7 @@ def main() -> None:
     model, tok = load_model(args.model)
     common = {"engine": "hf", "opts": EngineOptions(), "steps_ahead": 1, "threads": 1,
               "recompute": Recompute(token_logprobs, 1.0, 256, 0)}
-    address = f"tcp://127.0.0.1:{_free_port()}"
+    address = local_address()
     server = subprocess.Popen([sys.executable, "-m", "gspo", "engine", address])
     engines = {"shm": AsyncEngine(model, tok, **common),
                "broadcast": RemoteEngine(model, tok, address=address, **common)}

@@ -88,6 +88,16 @@ def machine() -> dict[str, Any]:
     return info
 
 
+def local_address() -> str:
+    """A ``tcp://127.0.0.1:PORT`` address on a port free now, for a trainer and its
+    ``gspo engine`` on this machine."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+
+
 def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
