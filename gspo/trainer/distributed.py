@@ -93,6 +93,14 @@ class Dist:
         out = torch.cat([p[:c] for p, c in zip(parts, counts)]).to(t.device)
         return out, sum(counts[: self.rank])
 
+    def gather_objects(self, obj: Any) -> list[Any]:
+        """Every rank's picklable ``obj``, in rank order, on every rank."""
+        if not self.enabled:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        tdist.all_gather_object(out, obj)
+        return out
+
     def barrier(self) -> None:
         if self.enabled:
             tdist.barrier()
@@ -280,8 +288,14 @@ def full_model_state(model: Any, d: Dist) -> dict[str, torch.Tensor] | None:
 
 def optimizer_state(model: Any, optimizer: Any, d: Dist) -> dict[str, Any]:
     """The optimizer state to write into ``optimizer.pt``: ``optimizer.state_dict()``, or under
-    FSDP2 the full, parameter-name-keyed state (a collective; complete on rank 0)."""
-    if d.strategy != "fsdp2" or not d.enabled:
+    FSDP2 the full, parameter-name-keyed state (a collective; complete on rank 0).
+
+    Before the first step (the step-0 checkpoint of ``save_every``) there is no state, and
+    ``get_optimizer_state_dict`` would create one by an optimizer step on zero gradients, which
+    counts as AdamW's first step: every later update would then be bias-corrected for one step
+    too many (0.78x the size of the one-process run's on the first steps, measured). So that
+    checkpoint keeps the plain, empty state."""
+    if d.strategy != "fsdp2" or not d.enabled or not optimizer.state:
         return optimizer.state_dict()
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -296,7 +310,9 @@ def load_optimizer_state(model: Any, optimizer: Any, state: dict[str, Any], d: D
     """Inverse of :func:`optimizer_state`, across strategies and world sizes: a state keyed by
     parameter index (one process, DDP) or by parameter name (FSDP2) loads into any run."""
     by_index = all(isinstance(k, int) for k in state.get("state", {}))
-    if by_index and (d.strategy != "fsdp2" or not d.enabled):
+    # an empty state (a step-0 checkpoint) loads as it is: set_optimizer_state_dict would
+    # first create one by a zero-gradient step (see optimizer_state)
+    if by_index and (d.strategy != "fsdp2" or not d.enabled or not state.get("state")):
         optimizer.load_state_dict(state)
         return
     from torch.distributed.checkpoint.state_dict import (
