@@ -13,6 +13,7 @@ import dataclasses
 import re
 import types
 import typing
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -141,14 +142,16 @@ class RolloutConfig:
         "TRL mask_truncated_completions); they still count in their group's advantages")
     async_steps: int = _f(
         0, "k > 0: the engine samples in its own process up to k steps ahead, step t's batch "
-        "from the policy after max(0, t-k) updates (staleness <= k; engine=hf, one process, "
-        "no LoRA); 0: rollout and update in sequence (see gspo.trainer.async_rollout)")
+        "from the policy after max(0, t-k) updates (staleness <= k; engine=hf, no LoRA; "
+        "under torchrun one engine per trainer process); 0: rollout and update in sequence "
+        "(see gspo.trainer.async_rollout)")
     async_threads: int = _f(1, "async_steps > 0: torch threads of the engine process (the "
                             "trainer keeps num_threads; on 2 cores use num_threads=1)")
     async_address: str = _f(
         "", "async_steps > 0: where an engine started with `gspo engine ADDRESS` meets the "
         "trainer (a torch.distributed init method: tcp://HOST:PORT, the trainer's host, or "
         "file:///shared/path); weights go by broadcast, batches back over the same link. "
+        "Under torchrun one address per trainer process, comma-separated in rank order. "
         "Empty: the engine process is spawned here and shares memory "
         "(see gspo.rollout.remote_engine)")
 
@@ -513,7 +516,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 def check_engine_address(address: str, what: str) -> None:
     """Where a trainer and a ``gspo engine`` meet: a torch.distributed init method it supports."""
-    _check(address.startswith(("tcp://", "file://")),
+    url = urllib.parse.urlparse(address)
+    try:
+        port = url.port
+    except ValueError:
+        port = None
+    _check((url.scheme == "tcp" and url.hostname is not None and port is not None)
+           or (url.scheme == "file" and bool(url.path)),
            f"{what} must be tcp://HOST:PORT or file:///path, got '{address}'")
 
 
@@ -559,8 +568,8 @@ def validate(cfg: TrainConfig) -> None:
            "rollout.async_threads is used only with rollout.async_steps > 0")
     _check(r.async_steps > 0 or not r.async_address,
            "rollout.async_address is used only with rollout.async_steps > 0")
-    if r.async_address:
-        check_engine_address(r.async_address, "rollout.async_address")
+    for address in r.async_address.split(",") if r.async_address else ():
+        check_engine_address(address, "rollout.async_address")
     _check(r.async_steps == 0 or r.engine == "hf",
            "rollout.async_steps > 0 needs rollout.engine=hf (an async vLLM server is not built)")
     _check(r.async_steps == 0 or (r.max_turns == 1 and not r.dynamic_sampling),

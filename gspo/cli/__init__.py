@@ -173,7 +173,8 @@ def cmd_engine(argv: list[str]) -> int:
         prog="gspo engine", description="serve a trainer's asynchronous rollouts from this "
         "machine: the trainer runs with rollout.async_steps=k rollout.async_address=ADDRESS")
     p.add_argument("address", help="the trainer's rollout.async_address (tcp://HOST:PORT or "
-                   "file:///shared/path)")
+                   "file:///shared/path); a trainer under torchrun: the address of one rank, "
+                   "one engine per rank")
     p.add_argument("--device", default="cpu", help="where to sample (cpu, cuda, cuda:N)")
     p.add_argument("--timeout", type=float, default=1800.0,
                    help="seconds to wait for the trainer and for each of its messages")

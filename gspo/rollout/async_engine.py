@@ -89,13 +89,28 @@ def _layout(model: torch.nn.Module) -> tuple[list[_Entry], dict[str, int]]:
 
 
 def _skeleton(model: torch.nn.Module) -> bytes:
-    """The model pickled without its weights: every tensor replaced by a meta tensor."""
-    memo: dict[int, Any] = {}
-    for _, _, is_param, t in _named_tensors(model):
-        meta = torch.empty_like(t, device="meta")
-        memo[id(t)] = torch.nn.Parameter(meta, requires_grad=False) if is_param else meta
+    """The model pickled without its weights: every tensor replaced by a meta tensor. An FSDP2
+    policy (which cannot be deep-copied; its weights gathered by the caller) is rebuilt from
+    its class and config on the meta device, with the same named tensors checked."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        cls = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
+        with torch.device("meta"):
+            twin = cls(model.config)
+        have = {(m, a): tuple(t.shape) for m, a, _, t in _named_tensors(twin)}
+        want = {(m, a): tuple(t.shape) for m, a, _, t in _named_tensors(model)}
+        if not want.items() <= have.items():
+            raise RuntimeError(f"rollout.async_steps with FSDP2: {cls.__name__}(config) does "
+                               "not rebuild the policy's modules; use dist.strategy=ddp")
+    else:
+        memo: dict[int, Any] = {}
+        for _, _, is_param, t in _named_tensors(model):
+            meta = torch.empty_like(t, device="meta")
+            memo[id(t)] = torch.nn.Parameter(meta, requires_grad=False) if is_param else meta
+        twin = copy.deepcopy(model, memo)
     buf = io.BytesIO()
-    torch.save(copy.deepcopy(model, memo), buf)
+    torch.save(twin, buf)
     return buf.getvalue()
 
 

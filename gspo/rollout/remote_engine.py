@@ -5,15 +5,17 @@ over ``torch.distributed``.
 machine and shares the weight slots with it in memory. Here the engine is started on its own,
 on an inference machine or beside the trainer, with ``gspo engine ADDRESS`` (:func:`serve`),
 and the trainer (:class:`RemoteEngine`, same ``publish / submit / take / close`` as
-``AsyncEngine``) meets it at ``ADDRESS``, a ``torch.distributed`` init method
-(``tcp://HOST:PORT``, where the trainer listens, or ``file:///shared/path``). The two form a
-world of two processes (trainer rank 0, engine rank 1) over gloo, with two groups:
+``AsyncEngine``) meets it at ``ADDRESS``: ``tcp://HOST:PORT`` (where the trainer listens) or
+``file:///shared/path``. The two form a world of two processes (trainer rank 0, engine rank 1)
+of their own: a store at that address and two gloo process groups built on it directly,
+outside any default group. So a trainer rank under torchrun keeps its world for DDP / FSDP2
+and links to an engine of its own, at its own address. The two groups:
 
-- **messages** (the default group, point to point): the set-up (the model without its weights,
+- **messages** (point to point): the set-up (the model without its weights,
   the tokenizer, the engine's options), then requests one way and batches the other, each a
-  pickled object in a uint8 tensor after its length. Sends do not wait for the receiver
-  (``isend``), so the trainer trains while a request is in flight and the engine samples on
-  while a batch waits to be taken.
+  pickled object in a uint8 tensor after its length. Sends do not wait for the receiver, so
+  the trainer trains while a request is in flight and the engine samples on while a batch
+  waits to be taken.
 - **weights** (a second group): after every update the trainer broadcasts a header (the
   version) and then one flat buffer per dtype, its policy copied into one send buffer. The
   engine keeps the ``k + 1`` slots in its own memory and a thread that waits in that broadcast
@@ -36,6 +38,7 @@ import datetime
 import pickle
 import threading
 import time
+import urllib.parse
 from typing import Any
 
 import torch
@@ -56,24 +59,32 @@ TRAINER, ENGINE = 0, 1
 STOP = -1  # a weights header that ends the engine's receiving thread
 
 
-class _Messages:
-    """Pickled objects to and from the other process over the default group."""
+def _broadcast(group: Any, t: torch.Tensor) -> None:
+    """``t`` from the trainer to the engine over ``group`` (in place on the engine)."""
+    opts = dist.BroadcastOptions()
+    opts.rootRank = TRAINER
+    group.broadcast([t], opts).wait()
 
-    def __init__(self, peer: int) -> None:
-        self.peer = peer
+
+class _Messages:
+    """Pickled objects to and from the other process over the messages group."""
+
+    def __init__(self, group: Any, peer: int) -> None:
+        self.group, self.peer = group, peer
         self.pending: list[tuple[Any, torch.Tensor]] = []  # sends in flight and their tensors
 
     def send(self, obj: Any) -> None:
         data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
         size = torch.tensor([data.numel()], dtype=torch.long)
         self.pending = [(w, t) for w, t in self.pending if not w.is_completed()]
-        self.pending += [(dist.isend(size, self.peer), size), (dist.isend(data, self.peer), data)]
+        self.pending += [(self.group.send([size], self.peer, 0), size),
+                         (self.group.send([data], self.peer, 0), data)]
 
     def recv(self) -> Any:
         size = torch.zeros(1, dtype=torch.long)
-        dist.recv(size, self.peer)
+        self.group.recv([size], self.peer, 0).wait()
         data = torch.empty(int(size), dtype=torch.uint8)
-        dist.recv(data, self.peer)
+        self.group.recv([data], self.peer, 0).wait()
         return pickle.loads(data.numpy().tobytes())
 
     def flush(self) -> None:
@@ -86,18 +97,33 @@ class Unreachable(ConnectionError):
     """The other end did not join at the address in time."""
 
 
-def _join(address: str, rank: int, timeout_s: float) -> Any:
-    """Join the world of two at ``address``; the weights group."""
+def _store(address: str, rank: int, timeout: datetime.timedelta) -> Any:
+    """The key-value store the two processes meet through: a TCP store served by the trainer
+    (tcp://HOST:PORT) or a shared file (file:///path). Built here rather than by
+    ``torch.distributed.rendezvous``, which under torchrun would look for torchrun's own
+    store at ``HOST:PORT``."""
+    url = urllib.parse.urlparse(address)
+    if url.scheme == "file":
+        return dist.FileStore(url.path, 2)
+    if url.hostname is None or url.port is None:
+        raise ValueError(f"{address}: expected tcp://HOST:PORT")
+    return dist.TCPStore(url.hostname, url.port, 2, is_master=rank == TRAINER, timeout=timeout,
+                         wait_for_workers=True)
+
+
+def _join(address: str, rank: int, timeout_s: float) -> tuple[Any, Any]:
+    """Join the world of two at ``address``: its (messages, weights) groups."""
+    timeout = datetime.timedelta(seconds=timeout_s)
     try:
-        dist.init_process_group("gloo", init_method=address, rank=rank, world_size=2,
-                                timeout=datetime.timedelta(seconds=timeout_s))
-    except dist.DistError as e:
+        store = _store(address, rank, timeout)
+        return tuple(dist.ProcessGroupGloo(dist.PrefixStore(name, store), rank, 2, timeout)
+                     for name in ("messages", "weights"))
+    except (dist.DistError, RuntimeError) as e:
         other = ("no engine joined (start one with `gspo engine ADDRESS`)" if rank == TRAINER
                  else "no trainer to join (it listens once it starts with "
                  "rollout.async_address=ADDRESS)")
         detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise Unreachable(f"{address}: {other} within {timeout_s:.0f} s ({detail})") from None
-    return dist.new_group([TRAINER, ENGINE], backend="gloo")
 
 
 class RemoteEngine:
@@ -108,13 +134,10 @@ class RemoteEngine:
     def __init__(self, model: torch.nn.Module, tokenizer: Any, *, address: str, engine: str,
                  opts: EngineOptions, steps_ahead: int, threads: int, recompute: Recompute,
                  version: int = 0, timeout_s: float = 1800.0) -> None:
-        if dist.is_initialized():
-            raise RuntimeError("rollout.async_address: this process already belongs to a "
-                               "torch.distributed world (torchrun); run the trainer alone")
-        self.weights = _join(address, TRAINER, timeout_s)
+        group, self.weights = _join(address, TRAINER, timeout_s)
         self.closed = False
         try:
-            self.messages = _Messages(ENGINE)
+            self.messages = _Messages(group, ENGINE)
             self.entries, sizes = _layout(model)
             self._unique = distinct(self.entries)
             self.keys = sorted(sizes)  # both ends send and receive the dtypes in this order
@@ -137,9 +160,9 @@ class RemoteEngine:
         """Broadcast ``model``'s weights as version ``version``; the seconds it took."""
         start = time.perf_counter()
         fill_slot(self.buffer, self.entries, self._unique, model)
-        dist.broadcast(torch.tensor([version]), TRAINER, group=self.weights)
+        _broadcast(self.weights, torch.tensor([version]))
         for k in self.keys:
-            dist.broadcast(self.buffer[k], TRAINER, group=self.weights)
+            _broadcast(self.weights, self.buffer[k])
         return time.perf_counter() - start
 
     def submit(self, req: Request) -> None:
@@ -159,12 +182,10 @@ class RemoteEngine:
         self.closed = True
         try:
             self.messages.send(None)
-            dist.broadcast(torch.tensor([STOP]), TRAINER, group=self.weights)
+            _broadcast(self.weights, torch.tensor([STOP]))
             self.messages.flush()
         except RuntimeError:
             pass
-        finally:
-            dist.destroy_process_group()
 
 
 class _Slots:
@@ -183,7 +204,7 @@ class _Slots:
     def _receive(self) -> None:
         header = torch.zeros(1, dtype=torch.long)
         while True:
-            dist.broadcast(header, TRAINER, group=self.group)
+            _broadcast(self.group, header)
             version = int(header)
             if version == STOP:
                 return
@@ -191,7 +212,7 @@ class _Slots:
             with self.cond:
                 self.versions[slot] = -1
             for k in self.keys:
-                dist.broadcast(self.slots[slot][k], TRAINER, group=self.group)
+                _broadcast(self.group, self.slots[slot][k])
             with self.cond:
                 self.versions[slot] = version
                 self.cond.notify_all()
@@ -209,16 +230,13 @@ class _Slots:
 def serve(address: str, *, device: str = "cpu", timeout_s: float = 1800.0) -> None:
     """The engine's side (rank 1, ``gspo engine ADDRESS``): join the trainer at ``address``,
     sample the batches it asks for until it closes, then return."""
-    group = _join(address, ENGINE, timeout_s)
-    try:
-        messages = _Messages(TRAINER)
-        setup = messages.recv()
-        slots = _Slots(group, setup["sizes"], setup["slots"], timeout_s)
-        run_engine(setup["skeleton"], setup["entries"], slots.slots, slots.version,
-                   setup["tokenizer"], setup["engine"], setup["opts"], setup["threads"],
-                   setup["recompute"], messages.recv,
-                   lambda kind, payload: messages.send((kind, payload)), torch.device(device))
-        messages.flush()
-        slots.thread.join(timeout=timeout_s)
-    finally:
-        dist.destroy_process_group()
+    group, weights = _join(address, ENGINE, timeout_s)
+    messages = _Messages(group, TRAINER)
+    setup = messages.recv()
+    slots = _Slots(weights, setup["sizes"], setup["slots"], timeout_s)
+    run_engine(setup["skeleton"], setup["entries"], slots.slots, slots.version,
+               setup["tokenizer"], setup["engine"], setup["opts"], setup["threads"],
+               setup["recompute"], messages.recv,
+               lambda kind, payload: messages.send((kind, payload)), torch.device(device))
+    messages.flush()
+    slots.thread.join(timeout=timeout_s)

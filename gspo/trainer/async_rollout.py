@@ -3,7 +3,9 @@
 The batch of step ``t`` (0-based) is sampled from policy version ``v(t) = max(0, t - k)``,
 the weights after ``v(t)`` updates: a fixed function of ``t``, so the run is deterministic
 whatever the timing, staleness ``t - v(t)`` never exceeds k, and k = 0 would be the
-synchronous loop. At step ``t`` the trainer asks the engine process
+synchronous loop. (One exception: a finished run resumed with more steps never drew the
+batches of its last k steps, so those come from the version it resumes with, less stale.)
+At step ``t`` the trainer asks the engine process
 (:class:`gspo.rollout.async_engine.AsyncEngine`) for every batch up to ``t + k`` (their
 versions are all published by then), takes batch ``t``, trains on it while the engine samples
 ``t + 1 … t + k``, and publishes version ``t + 1``.
@@ -73,11 +75,13 @@ class AsyncRollout:
         self.recompute = Recompute(logprob_fn, temperature, chunk, pad_id, routing)
         self.engine: AsyncEngine | RemoteEngine | None = None
         self.submitted = 0  # batches 0 … submitted-1 have been drawn and asked for
+        self.floor = 0  # the oldest version the engine was given (resume: the checkpoint's)
         self.inflight: dict[int, list[Example]] = {}
         self.ready: dict[int, tuple[list[Example], dict[str, Any]]] = {}
 
     def start(self, model: Any, tokenizer: Any, *, version: int) -> None:
         """Start the engine process on ``model``'s weights, policy version ``version``."""
+        self.floor = version
         if self.address:
             self.engine = RemoteEngine(model, tokenizer, address=self.address,
                                        engine=self.engine_name, opts=self.opts,
@@ -92,7 +96,10 @@ class AsyncRollout:
     def _fill(self, step: int) -> None:
         for b in range(self.submitted, min(step + self.k, self.total - 1) + 1):
             examples, req = self.draw(b)
-            self.engine.submit(dataclasses.replace(req, version=behaviour_version(b, self.k),
+            # An extended run (resumed with more steps than it had) never drew its last k
+            # batches, and their versions are gone: those come from the resumed weights.
+            version = max(behaviour_version(b, self.k), self.floor)
+            self.engine.submit(dataclasses.replace(req, version=version,
                                                    recompute=self.check(b)))
             self.inflight[b] = examples
             self.submitted = b + 1
@@ -129,13 +136,21 @@ class AsyncRollout:
                  for s, (ex, enc) in sorted(self.ready.items())}
         return {"k": self.k, "submitted": self.submitted, "ready": ready}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], rank: int = 0, world_size: int = 1
+                        ) -> None:
+        """``state["ready"]``: :meth:`state_dict`'s, or under torchrun a list of every rank's
+        (each rank sampled its own share of the prompts); this is ``rank`` of ``world_size``."""
         if state["k"] != self.k:
             raise ConfigError(f"resume: the run was checkpointed with rollout.async_steps="
                              f"{state['k']}, not {self.k}")
+        per_rank = state["ready"] if isinstance(state["ready"], list) else [state["ready"]]
+        if len(per_rank) != world_size:
+            raise ConfigError(f"resume: the checkpoint's in-flight batches were sampled by "
+                              f"{len(per_rank)} trainer process(es), each its share of the "
+                              f"prompts; resume with {len(per_rank)}, not {world_size}")
         self.submitted = state["submitted"]
         self.ready = {int(s): ([Example(**e) for e in v["examples"]], v["rollout"])
-                      for s, v in state["ready"].items()}
+                      for s, v in per_rank[rank].items()}
 
     def close(self) -> None:
         if self.engine is not None:
@@ -147,38 +162,53 @@ def _row_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def staleness_routing_metrics(behaviour: list[torch.Tensor] | None,
-                              current: list[torch.Tensor], mask: torch.Tensor
-                              ) -> dict[str, float]:
+                              current: list[torch.Tensor], mask: torch.Tensor,
+                              dist: Any = None) -> dict[str, float]:
     """How far staleness moved an MoE policy's routing: over the response tokens, the share of
     (token, layer) whose expert set differs between the behaviour policy's pass
     (``behaviour``, per layer ``[N, k]``) and this step's (``current``), and the share of the
-    behaviour policy's experts replaced (``async/staleness_{routing,expert}_change``)."""
+    behaviour policy's experts replaced (``async/staleness_{routing,expert}_change``). Under
+    torchrun (``dist``) each rank's share is weighted by its response tokens: the global
+    batch's share."""
     if behaviour is None:
         return {}
     stats = routing_change_stats(behaviour, current, mask)  # the update's own measure
-    return {"async/staleness_routing_change": float(stats["moe/routing_change"]),
-            "async/staleness_expert_change": float(stats["moe/expert_change"])}
+    shares = torch.stack([stats["moe/routing_change"].double().cpu(),
+                          stats["moe/expert_change"].double().cpu()])
+    n = mask.sum().double().cpu()
+    if dist is not None and dist.enabled:
+        total = dist.all_reduce(torch.cat([shares * n, n.view(1)]))
+        shares, n = total[:2] / total[2].clamp(min=1), total[2]
+    return {"async/staleness_routing_change": float(shares[0]),
+            "async/staleness_expert_change": float(shares[1])}
 
 
 def drift_metrics(engine_lp: torch.Tensor, behaviour_lp: torch.Tensor | None,
-                  current_lp: torch.Tensor | None, mask: torch.Tensor) -> dict[str, float]:
+                  current_lp: torch.Tensor | None, mask: torch.Tensor, dist: Any = None
+                  ) -> dict[str, float]:
     """Staleness drift and engine mismatch, per sequence (mean over its tokens), all [N, T].
 
     ``engine_lp``: log π_v as the engine recorded it; ``behaviour_lp``: log π_v by the trainer's
     pass on the same (behaviour) weights; ``current_lp``: log π_t by the trainer's pass on the
     weights of this step. Either trainer pass may be missing on a step (not logged then).
+    Under torchrun (``dist``: the run's :class:`gspo.trainer.distributed.Dist`) the sequences of
+    every rank count: each rank's per-sequence values are gathered first.
     """
+    def rows(x: torch.Tensor) -> torch.Tensor:
+        v = _row_mean(x, mask).detach().cpu()
+        return v if dist is None else dist.gather(v)[0]
+
     out: dict[str, float] = {}
     if behaviour_lp is not None:
-        gap = _row_mean(engine_lp - behaviour_lp, mask)
+        gap = rows(engine_lp - behaviour_lp)
         out["async/engine_mismatch_mean"] = float(gap.mean())
         out["async/engine_mismatch_abs_max"] = float(gap.abs().max())
     if behaviour_lp is not None and current_lp is not None:
-        drift = _row_mean(behaviour_lp - current_lp, mask)
+        drift = rows(behaviour_lp - current_lp)
         out["async/staleness_drift_mean"] = float(drift.mean())
         out["async/staleness_drift_abs_mean"] = float(drift.abs().mean())
         out["async/staleness_drift_abs_max"] = float(drift.abs().max())
     if current_lp is not None:  # what the trainer's check sees: both effects together
-        total = _row_mean(engine_lp - current_lp, mask)
+        total = rows(engine_lp - current_lp)
         out["async/behaviour_gap_abs_mean"] = float(total.abs().mean())
     return out

@@ -241,7 +241,8 @@ class Trainer:
         self.logger = (with_trackers(logger, cfg.logging, self.run_dir, to_dict(cfg))
                        if self.dist.is_main else logger)
         if self.async_rollout is not None:  # on the restored weights: policy version `step`
-            self.async_rollout.start(self.model, self.tokenizer, version=self.step)
+            with self.dist.full_weights(self.model):
+                self.async_rollout.start(self.model, self.tokenizer, version=self.step)
         return self
 
     @property
@@ -308,9 +309,16 @@ class Trainer:
 
     def _pipeline(self, k: int) -> AsyncRollout:
         cfg = self.cfg
-        if self.dist.enabled or cfg.lora.r:
-            raise ConfigError("rollout.async_steps > 0 needs one process and a fully "
-                              "fine-tuned policy for now (no torchrun, no LoRA)")
+        if cfg.lora.r:
+            raise ConfigError("rollout.async_steps > 0 needs a fully fine-tuned policy for now "
+                              "(no LoRA)")
+        # Under torchrun every rank has an engine of its own for its share of the prompts:
+        # spawned beside it, or `gspo engine` at the rank's own address.
+        addresses = [a for a in cfg.rollout.async_address.split(",") if a]
+        if addresses and len(addresses) != self.dist.world_size:
+            raise ConfigError(f"rollout.async_address: {len(addresses)} address(es) for "
+                              f"{self.dist.world_size} trainer process(es); give one per "
+                              "process, comma-separated, in rank order")
         every = cfg.logging.rollout_check_every
         # The engine process runs the trainer's pass on the behaviour weights: π_old for
         # recompute, and for an MoE policy π_old's routing (unless π_old is the proximal policy)
@@ -323,7 +331,7 @@ class Trainer:
             threads=cfg.rollout.async_threads, logprob_fn=self.logprob_fn,
             temperature=cfg.rollout.temperature, chunk=cfg.logprob_chunk, pad_id=self.pad_id,
             device=self.dist.device, routing=self.hooks.active,
-            address=cfg.rollout.async_address)
+            address=addresses[self.dist.rank] if addresses else "")
 
     def _behaviour_routing(self) -> bool:
         """Whether π_old's expert choices (what R2 replays, what ``moe/routing_change``
@@ -390,7 +398,8 @@ class Trainer:
             raise ConfigError("resume: rollout.async_steps must be 0 in both runs or > 0 in "
                               "both (the checkpoint holds in-flight batches only when > 0)")
         if self.async_rollout is not None:
-            self.async_rollout.load_state_dict(state["async"])
+            self.async_rollout.load_state_dict(state["async"], self.dist.rank,
+                                               self.dist.world_size)
         return state.get("guard")
 
     def save_checkpoint(self) -> Path:
@@ -407,6 +416,8 @@ class Trainer:
                  "log_sizes": log_sizes(self.run_dir)}
         if self.async_rollout is not None:  # the in-flight batches (waits for them)
             state["async"] = self.async_rollout.state_dict()
+            if self.dist.enabled:  # each rank sampled its own share of the prompts
+                state["async"]["ready"] = self.dist.gather_objects(state["async"]["ready"])
         good = guard.last_good_step
         path = self.run_dir / "checkpoints" / f"step_{self.step:06d}"
         if self.dist.is_main:
@@ -576,7 +587,7 @@ class Trainer:
         if self._behaviour_routing():  # π_old is the behaviour policy: its experts
             if routing is not None:  # this step's own choices too: how far staleness moved them
                 old.routing_metrics = staleness_routing_metrics(
-                    roll.trainer_routing, routing, padded["response_mask"])
+                    roll.trainer_routing, routing, padded["response_mask"], self.dist)
             routing = roll.trainer_routing
         routing, replayed = self.hooks.rollout_routing(roll, routing, self.dist)
         old.routing_metrics.update(replayed)
@@ -624,7 +635,8 @@ class Trainer:
         if self.async_rollout is not None:
             gap = None if old.behaviour is None else (  # the engine's own mismatch
                 ((old.behaviour - old.rollout) * mask).sum(1) / mask.sum(1).clamp(min=1))
-            roll.extras.update(drift_metrics(old.rollout, old.behaviour, old.recomputed, mask))
+            roll.extras.update(drift_metrics(old.rollout, old.behaviour, old.recomputed, mask,
+                                             self.dist))
         return {
             **roll.extras,
             **{k: float(v) for k, v in group_stats(rewards, roll.group_size).items()},
@@ -673,7 +685,7 @@ class Trainer:
                                                "attention_mask": batch.attention_mask,
                                                "response_mask": batch.response_mask})[0]
         if self.async_rollout is not None:  # version step+1, for the batch of step+1+k
-            with timer("weight_sync"):
+            with timer("weight_sync"), self.dist.full_weights(self.model):
                 self.async_rollout.publish(self.model, self.step + 1)
         elif not self.engine.capabilities.shares_policy_weights:
             with timer("weight_sync"):

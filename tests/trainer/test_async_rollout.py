@@ -416,3 +416,15 @@ def test_an_engine_started_elsewhere_reports_its_failure_to_the_trainer(tmp_path
     finally:
         eng.close()
         assert engine.wait(timeout=60) == 0, engine.stderr.read()
+
+
+@pytest.mark.slow
+def test_a_finished_run_resumed_with_more_steps_samples_its_next_batches_from_its_weights(
+        tmp_path):
+    """A run that ended never drew the batches of its last k steps, and the versions they
+    would come from are gone: resumed with more steps, those come from the weights it resumes
+    with (staleness 0, then k again), instead of a request for a version no slot holds."""
+    _trained(_cfg(tmp_path, "ext", "rollout.async_steps=2", "steps=2"))
+    extended = _trained(_cfg(tmp_path, "ext", "rollout.async_steps=2", "steps=5",
+                             f"resume={tmp_path / 'ext'}"))
+    assert [r["async/staleness_max"] for r in _rows(extended)] == [0, 1, 0, 1, 2]
