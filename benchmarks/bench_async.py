@@ -42,6 +42,10 @@ matmul shapes (the best of them), × the arm's total cores through that measurem
 step's FLOPs are counted once with ``torch.utils.flop_counter.FlopCounterMode`` on one
 synchronous step (matmuls and attention; forward, backward and the sampling passes), split by
 phase (rollout, π_old pass, update). An async step does the same work in two processes.
+With ``sync@1`` / ``sync@2`` in the run it also reports the shortest step the machine allows
+(:func:`step_bound`, with the memory read rate measured beside the FLOP limit) and how far each
+phase is from it: the fraction of the FLOP limit any fp32 implementation of this step could
+reach here.
 
     HF_HUB_OFFLINE=1 python -m benchmarks.bench_async          # ~15 min, 2 cores
     HF_HUB_OFFLINE=1 python -m benchmarks.bench_async --model tiny:llama --steps 3 --reps 1 \\
@@ -189,7 +193,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def matmul_limit(model: str, spec: dict[str, Any]) -> dict[str, float]:
-    """Best ``torch.mm`` GFLOP/s at 1 and 2 threads on the step's matmul shapes."""
+    """Best ``torch.mm`` GFLOP/s at 1 and 2 threads on the step's matmul shapes; also (keys
+    ``read_gb_s_1``, ``read_gb_s_2``) the memory read rate, a 512 MB ``sum``, and the bytes of
+    the policy's distinct weights (``weight_bytes``), for :func:`step_bound`."""
     import torch
 
     from benchmarks.bench_update import matmul_peak
@@ -200,12 +206,37 @@ def matmul_limit(model: str, spec: dict[str, Any]) -> dict[str, float]:
     rows = spec["prompts_per_step"] * spec["group_size"] // spec["minibatches"] * 48
     hidden, inter = c.hidden_size, getattr(c, "intermediate_size", 4 * c.hidden_size)
     shapes = [(rows, hidden, inter), (rows, inter, hidden), (rows, hidden, hidden), (1024,) * 3]
+    distinct = {p.data_ptr(): p.numel() * p.element_size() for p in m.parameters()}
     del m
-    out = {}
+    out = {"weight_bytes": float(sum(distinct.values()))}
+    x = torch.rand(128 * 1024 * 1024)
     for threads in (1, 2):
         torch.set_num_threads(threads)
         out[str(threads)] = max(matmul_peak(shapes, threads).values())
+        times = []
+        for _ in range(7):
+            t0 = time.perf_counter()
+            x.sum()
+            times.append(time.perf_counter() - t0)
+        out[f"read_gb_s_{threads}"] = x.numel() * 4 / median(times[1:]) / 1e9
     return out
+
+
+def step_bound(flops: dict[str, float], limit: dict[str, float], tokens: int,
+               threads: int) -> dict[str, float]:
+    """The shortest a synchronous step could take at ``threads`` threads (at most 2 here), phase
+    by phase: π_old and the update at the FLOP limit; the rollout at the FLOP limit or at the
+    time to read every weight once per decode step (``tokens - 1`` of them after the prefill)
+    at the measured read rate, whichever is longer. The rollout's products at 16 rows cannot
+    reuse a weight across more than 16 rows, so that read is a floor on any fp32 kernel."""
+    t = str(min(threads, 2))
+    rollout_flop_s = flops["rollout"] / (limit[t] * 1e9)
+    rollout_read_s = (tokens - 1) * limit["weight_bytes"] / (limit[f"read_gb_s_{t}"] * 1e9)
+    rest = (flops["old_logprobs"] + flops["update"]) / (limit[t] * 1e9)
+    step = max(rollout_flop_s, rollout_read_s) + rest
+    return {"rollout_s": max(rollout_flop_s, rollout_read_s), "rollout_read_s": rollout_read_s,
+            "rest_s": rest, "step_s": step,
+            "max_frac_of_limit": flops["total"] / (step * limit[t] * 1e9)}
 
 
 def _speedup(base: dict[str, float], other: dict[str, float],
@@ -216,7 +247,7 @@ def _speedup(base: dict[str, float], other: dict[str, float],
 
 
 def summarize(results: list[dict[str, Any]], warmup: int, flops: dict[str, float],
-              limit: dict[str, float]) -> dict[str, Any]:
+              limit: dict[str, float], tokens: int = 32) -> dict[str, Any]:
     arms: dict[str, dict[str, float]] = {}
     for arm in dict.fromkeys(r["arm"] for r in results):
         steps = [s for r in results if r["arm"] == arm for s in r["steps"][warmup:]]
@@ -262,6 +293,13 @@ def summarize(results: list[dict[str, Any]], warmup: int, flops: dict[str, float
                     out.setdefault("async_vs_bound", {})[f"{arm} vs sync@{t}"] = {
                         "bound_s": bound, "ratio": s["step_s"] / bound,
                         "speedup": sy["step_s"] / s["step_s"]}
+    for t, sy in sync.items():  # how close the step is to what this machine allows
+        if sy and "weight_bytes" in limit:
+            b = step_bound(flops, limit, tokens, t)
+            out.setdefault("bound", {})[f"sync@{t}"] = {
+                **b, "step_over_bound": sy["step_s"] / b["step_s"],
+                "rollout_over_bound": sy["rollout_s"] / b["rollout_s"],
+                "rest_over_bound": sy["update_s"] / b["rest_s"]}
     trl = arms.get("trl@2")
     if trl:
         out["over_trl@2"] = {a: trl["step_s"] / s["step_s"] for a, s in arms.items()
@@ -316,6 +354,19 @@ def table(model: str, summary: dict[str, Any], flops: dict[str, float],
                     f"{r['ratio']:.2f} (bound {r['bound_s']:.2f} s); {r['speedup']:.2f}× faster")
     for arm, r in summary.get("over_trl@2", {}).items():
         rows.append(f"- {arm} vs trl@2: {r:.2f}× faster")
+    if "bound" in summary:
+        rows.append("")
+        rows.append(f"The shortest step this machine allows (`step_bound`: π_old and update at "
+                    f"the FLOP limit; the rollout at the FLOP limit or reading the "
+                    f"{limit['weight_bytes'] / 2**20:.0f} MiB of weights once per decode step "
+                    f"at {limit['read_gb_s_1']:.1f} / {limit['read_gb_s_2']:.1f} GB/s, 1 / 2 "
+                    "threads, whichever is longer):")
+        for arm, b in summary["bound"].items():
+            rows.append(f"- {arm}: bound {b['step_s']:.2f} s (rollout {b['rollout_s']:.2f}, of "
+                        f"which reading {b['rollout_read_s']:.2f}; rest {b['rest_s']:.2f}), "
+                        f"at most **{100 * b['max_frac_of_limit']:.0f}%** of the FLOP limit; "
+                        f"measured / bound: step {b['step_over_bound']:.2f}×, rollout "
+                        f"{b['rollout_over_bound']:.2f}×, rest {b['rest_over_bound']:.2f}×")
     return header, rows
 
 
@@ -352,7 +403,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"  {arm}: {[round(s['step_s'], 2) for s in r['steps']]} s/step wall "
               f"({time.perf_counter() - w0:.0f} s with start-up)", flush=True)
         results.append(r)
-    summary = summarize(results, a.warmup, flops, limit)
+    summary = summarize(results, a.warmup, flops, limit, a.max_new_tokens)
     data = {"config": spec, "warmup": a.warmup, "reps": a.reps, "machine": machine(),
             "flops": flops, "matmul_limit_gflops": limit, "summary": summary, "raw": results}
     header, rows = table(a.model, summary, flops, limit)

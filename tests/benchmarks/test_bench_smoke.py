@@ -292,3 +292,21 @@ def test_routing_volatility_grids_are_valid_configs():
     assert {cfg.model for cfg in (load_config(None, bench.overrides(*g))
                                   for g in bench.UPCYCLED_ROUTER)} == {
         bench.UPCYCLED.format(std=0.02, noise=0.01)}
+
+
+def test_step_bound_takes_the_longer_of_the_rollouts_flops_and_its_weight_reads():
+    """bench_async.step_bound by hand: 10 GFLOP/s at 1 thread; a rollout of 2 GFLOP over
+    5 tokens (4 decode steps) reading 1 GB of weights each at 2 GB/s: 2 s of reads > 0.2 s of
+    FLOPs; π_old + update 8 GFLOP: 0.8 s. Bound 2.8 s, so at most 10 / (2.8 × 10) of the limit."""
+    from benchmarks import bench_async
+
+    flops = {"total": 10e9, "rollout": 2e9, "old_logprobs": 3e9, "update": 5e9}
+    limit = {"1": 10.0, "2": 20.0, "weight_bytes": 1e9, "read_gb_s_1": 2.0, "read_gb_s_2": 4.0}
+    b = bench_async.step_bound(flops, limit, tokens=5, threads=1)
+    assert b["rollout_read_s"] == pytest.approx(2.0) and b["rollout_s"] == pytest.approx(2.0)
+    assert b["rest_s"] == pytest.approx(0.8) and b["step_s"] == pytest.approx(2.8)
+    assert b["max_frac_of_limit"] == pytest.approx(10 / 28)
+    fast = bench_async.step_bound(flops, {**limit, "read_gb_s_2": 400.0}, tokens=5, threads=3)
+    assert fast["rollout_s"] == pytest.approx(0.1)  # FLOP-bound: 2 GFLOP at the 2-thread 20
+    s = bench_async.summarize([_arm("sync@1", 5.6, 4.0)], 0, flops, limit, tokens=5)
+    assert s["bound"]["sync@1"]["step_over_bound"] == pytest.approx(2.0)
