@@ -98,26 +98,31 @@ def test_one_address_per_trainer_process(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
-def test_async_under_torchrun_matches_one_process_and_resumes(tmp_path, strategy):
+@pytest.mark.parametrize("strategy,model", [("ddp", "tiny:llama"), ("fsdp2", "tiny:llama"),
+                                            ("ddp", "tiny:qwen3_moe")])
+def test_async_under_torchrun_matches_one_process_and_resumes(tmp_path, strategy, model):
     """k = 1 on 2 trainer ranks, each with its engine process, trains to the weights of the
     one-process k = 1 run (< 1e-5, while one step moves them by ~2e-4: the gradient
     all-reduce sums in another order, and AdamW turns that into ~lr × noise on a few weights
     whose gradient is near 0; measured 1.1e-6 on 3 of 90,624), with the
-    same staleness and global drift metrics. Killed after step 2 and resumed on 2 ranks, the
+    same staleness and global drift metrics (for an MoE policy also how far staleness moved
+    the experts). Killed after step 2 and resumed on 2 ranks, the
     run ends on the uninterrupted run's weights bit for bit (each rank's in-flight batch comes
     back from the checkpoint); a plain process cannot resume it (one-line error)."""
-    extra = ["rollout.async_steps=1", f"dist.strategy={strategy}"]
+    extra = ["rollout.async_steps=1", f"dist.strategy={strategy}", f"model={model}"]
     one = _train(tmp_path / "one", *extra, "steps=3", world=1)
     two = _train(tmp_path / "two", *extra, "steps=3")
     assert _max_diff(_weights(one, 3), _weights(two, 3)) < 1e-5
     assert _max_diff(_weights(one, 3), _weights(one, 2)) > 1e-4  # the last step moved them
     rows_one, rows_two = _rows(one), _rows(two)
     assert [r["async/staleness_max"] for r in rows_two] == [0, 1, 1]
+    keys = ["reward/mean", "async/staleness_drift_abs_max", "async/staleness_drift_abs_mean",
+            "async/engine_mismatch_abs_max", "objective/clip_frac_tokens"]
+    if "moe" in model:  # how far staleness moved the experts, token-weighted over the ranks
+        keys += ["async/staleness_routing_change", "async/staleness_expert_change"]
+        assert rows_two[-1]["async/staleness_routing_change"] > 0
     for a, b in zip(rows_one, rows_two):  # the global batch's metrics, not rank 0's rows
-        for key in ("reward/mean", "async/staleness_drift_abs_max",
-                    "async/staleness_drift_abs_mean", "async/engine_mismatch_abs_max",
-                    "objective/clip_frac_tokens"):
+        for key in keys:
             assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-6), key
     assert rows_two[-1]["async/staleness_drift_abs_max"] > 0
 
