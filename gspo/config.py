@@ -147,11 +147,15 @@ class RolloutConfig:
         "(see gspo.trainer.async_rollout)")
     async_threads: int = _f(1, "async_steps > 0: torch threads of the engine process (the "
                             "trainer keeps num_threads; on 2 cores use num_threads=1)")
+    async_engines: int = _f(
+        1, "async_steps > 0: engines per trainer process, each sampling a share of its prompts "
+        "(each with async_threads threads; weights published to every one)")
     async_address: str = _f(
         "", "async_steps > 0: where an engine started with `gspo engine ADDRESS` meets the "
         "trainer (a torch.distributed init method: tcp://HOST:PORT, the trainer's host, or "
         "file:///shared/path); weights go by broadcast, batches back over the same link. "
-        "Under torchrun one address per trainer process, comma-separated in rank order. "
+        "One address per engine (async_engines per trainer process; under torchrun rank 0's "
+        "first), comma-separated. "
         "Empty: the engine process is spawned here and shares memory "
         "(see gspo.rollout.remote_engine)")
 
@@ -566,6 +570,9 @@ def validate(cfg: TrainConfig) -> None:
     _check(r.async_threads >= 1, "rollout.async_threads must be >= 1")
     _check(r.async_steps > 0 or r.async_threads == 1,
            "rollout.async_threads is used only with rollout.async_steps > 0")
+    _check(r.async_engines >= 1, "rollout.async_engines must be >= 1")
+    _check(r.async_steps > 0 or r.async_engines == 1,
+           "rollout.async_engines is used only with rollout.async_steps > 0")
     _check(r.async_steps > 0 or not r.async_address,
            "rollout.async_address is used only with rollout.async_steps > 0")
     for address in r.async_address.split(",") if r.async_address else ():

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import io
 import queue
 import time
@@ -195,6 +196,35 @@ def _encode(roll: Rollout, trainer_lp: list[list[float]] | None,
             "group_size": roll.group_size, "versions": [version] * len(roll),
             "trainer_logprobs": trainer_lp, "routing": _encode_routing(roll.routing),
             "trainer_routing": _encode_routing(trainer_routing), "generate_s": seconds}
+
+
+def split_request(req: Request, parts: int) -> list[Request]:
+    """``req`` as ``parts`` requests for contiguous shares of its prompts (the first
+    ``len % parts`` one more), each with its prompts' seeds. Sampling is seeded per prompt, so
+    the shares sample what the whole request would."""
+    base, extra = divmod(len(req.prompts), parts)
+    out, lo = [], 0
+    for i in range(parts):
+        hi = lo + base + (i < extra)
+        out.append(dataclasses.replace(req, prompts=req.prompts[lo:hi], seeds=req.seeds[lo:hi]))
+        lo = hi
+    return out
+
+
+def merge_encoded(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One encoded rollout (:func:`_encode`'s) from those of a request's shares, in order: the
+    rows one after the other; ``generate_s`` the longest (the shares sample side by side). MoE
+    routing records are laid out per batch (padded to its longest row) and are not merged."""
+    if any(p["routing"] is not None or p["trainer_routing"] is not None for p in parts):
+        raise ValueError("merge_encoded: batches with routing records do not merge")
+    out: dict[str, Any] = {k: [x for p in parts for x in p[k]] for k in (
+        "prompt_ids", "response_ids", "logprobs", "truncated", "versions")}
+    trainer = [p["trainer_logprobs"] for p in parts]
+    out["trainer_logprobs"] = (None if any(t is None for t in trainer)
+                               else [x for t in trainer for x in t])
+    out.update(group_size=parts[0]["group_size"], routing=None, trainer_routing=None,
+               generate_s=max(p["generate_s"] for p in parts))
+    return out
 
 
 def decode(d: dict[str, Any]) -> Rollout:

@@ -38,7 +38,14 @@ import torch
 
 from gspo.config import ConfigError
 from gspo.data.base import Example
-from gspo.rollout.async_engine import AsyncEngine, Recompute, Request, decode
+from gspo.rollout.async_engine import (
+    AsyncEngine,
+    Recompute,
+    Request,
+    decode,
+    merge_encoded,
+    split_request,
+)
 from gspo.rollout.batch import Rollout
 from gspo.rollout.engine import EngineOptions
 from gspo.rollout.remote_engine import RemoteEngine
@@ -51,6 +58,36 @@ def behaviour_version(step: int, k: int) -> int:
     return max(0, step - k)
 
 
+class _Engines:
+    """Several engines for one trainer process, behind one engine's calls: every request split
+    by prompt across them (:func:`split_request`), their batches merged back in order, the
+    weights published to each."""
+
+    def __init__(self, engines: list[Any]) -> None:
+        self.engines = engines
+
+    def publish(self, model: Any, version: int) -> float:
+        return sum(e.publish(model, version) for e in self.engines)
+
+    def submit(self, req: Request) -> None:
+        for engine, share in zip(self.engines, split_request(req, len(self.engines))):
+            engine.submit(share)
+
+    def take(self) -> tuple[int, dict[str, Any]]:
+        parts = [e.take() for e in self.engines]
+        return parts[0][0], merge_encoded([enc for _, enc in parts])
+
+    def close(self) -> None:
+        errors = []
+        for e in self.engines:
+            try:
+                e.close()
+            except Exception as err:  # close the others all the same
+                errors.append(err)
+        if errors:
+            raise errors[0]
+
+
 class AsyncRollout:
     """Asks the engine process for batches ahead, hands them out in step order, publishes
     weights, and carries the in-flight batches through checkpoints."""
@@ -60,20 +97,23 @@ class AsyncRollout:
                  check: Callable[[int], bool], engine: str, opts: EngineOptions, threads: int,
                  logprob_fn: Callable[..., Any], temperature: float, chunk: int,
                  pad_id: int, device: torch.device | None = None,
-                 routing: bool = False, address: str = "") -> None:
+                 routing: bool = False, addresses: tuple[str, ...] = (),
+                 engines: int = 1) -> None:
         """``draw(step)``: the step's prompts from the task (called once per step, in order);
         ``check(step)``: whether the engine process also runs the trainer's log-prob pass on
         that step's batch (every step for ``old_logprobs=recompute``). ``device``: where the
         engine process samples (the trainer's device; default the CPU). ``routing`` (MoE
         policies): that pass also records its expert choices (``Rollout.trainer_routing``).
-        ``address``: meet an engine started with ``gspo engine ADDRESS`` there
-        (:class:`gspo.rollout.remote_engine.RemoteEngine`) instead of spawning one here."""
+        ``engines``: how many engines sample this process's batches, each a share of the
+        prompts. ``addresses`` (one per engine): meet engines started with
+        ``gspo engine ADDRESS`` there (:class:`gspo.rollout.remote_engine.RemoteEngine`)
+        instead of spawning them here."""
         self.k, self.total, self.draw, self.check = k, total_steps, draw, check
         self.engine_name, self.opts, self.threads = engine, opts, threads
-        self.address = address
+        self.addresses, self.n_engines = addresses, engines
         self.device = device if device is not None else torch.device("cpu")
         self.recompute = Recompute(logprob_fn, temperature, chunk, pad_id, routing)
-        self.engine: AsyncEngine | RemoteEngine | None = None
+        self.engine: AsyncEngine | RemoteEngine | _Engines | None = None
         self.submitted = 0  # batches 0 … submitted-1 have been drawn and asked for
         self.floor = 0  # the oldest version the engine was given (resume: the checkpoint's)
         self.inflight: dict[int, list[Example]] = {}
@@ -82,16 +122,23 @@ class AsyncRollout:
     def start(self, model: Any, tokenizer: Any, *, version: int) -> None:
         """Start the engine process on ``model``'s weights, policy version ``version``."""
         self.floor = version
-        if self.address:
-            self.engine = RemoteEngine(model, tokenizer, address=self.address,
-                                       engine=self.engine_name, opts=self.opts,
-                                       steps_ahead=self.k, threads=self.threads,
-                                       recompute=self.recompute, version=version)
-            return
-        self.engine = AsyncEngine(model, tokenizer, engine=self.engine_name, opts=self.opts,
-                                  steps_ahead=self.k, threads=self.threads,
-                                  recompute=self.recompute, version=version,
-                                  device=self.device)
+        started: list[Any] = []
+        try:
+            for i in range(self.n_engines):
+                if self.addresses:
+                    started.append(RemoteEngine(
+                        model, tokenizer, address=self.addresses[i], engine=self.engine_name,
+                        opts=self.opts, steps_ahead=self.k, threads=self.threads,
+                        recompute=self.recompute, version=version))
+                else:
+                    started.append(AsyncEngine(
+                        model, tokenizer, engine=self.engine_name, opts=self.opts,
+                        steps_ahead=self.k, threads=self.threads, recompute=self.recompute,
+                        version=version, device=self.device))
+        except BaseException:
+            _Engines(started).close()
+            raise
+        self.engine = started[0] if len(started) == 1 else _Engines(started)
 
     def _fill(self, step: int) -> None:
         for b in range(self.submitted, min(step + self.k, self.total - 1) + 1):

@@ -312,13 +312,22 @@ class Trainer:
         if cfg.lora.r:
             raise ConfigError("rollout.async_steps > 0 needs a fully fine-tuned policy for now "
                               "(no LoRA)")
-        # Under torchrun every rank has an engine of its own for its share of the prompts:
-        # spawned beside it, or `gspo engine` at the rank's own address.
+        # Every trainer process (torchrun: every rank) has engines of its own for its share of
+        # the prompts, each for a share of that: spawned beside it, or `gspo engine`s at its
+        # own addresses.
+        n, world = cfg.rollout.async_engines, self.dist.world_size
         addresses = [a for a in cfg.rollout.async_address.split(",") if a]
-        if addresses and len(addresses) != self.dist.world_size:
+        if addresses and len(addresses) != world * n:
             raise ConfigError(f"rollout.async_address: {len(addresses)} address(es) for "
-                              f"{self.dist.world_size} trainer process(es); give one per "
-                              "process, comma-separated, in rank order")
+                              f"{world} trainer process(es) x {n} engine(s) each; give one per "
+                              "engine, comma-separated, in rank order")
+        if n > 1 and cfg.rollout.prompts_per_step // world < n:
+            raise ConfigError(f"rollout.async_engines={n}: each engine needs a prompt, but a "
+                              f"trainer process has {cfg.rollout.prompts_per_step // world} "
+                              "(rollout.prompts_per_step / processes)")
+        if n > 1 and self.hooks.active:
+            raise ConfigError("rollout.async_engines > 1 does not support MoE routing records "
+                              "(Routing Replay, moe/* metrics) yet")
         every = cfg.logging.rollout_check_every
         # The engine process runs the trainer's pass on the behaviour weights: π_old for
         # recompute, and for an MoE policy π_old's routing (unless π_old is the proximal policy)
@@ -331,7 +340,8 @@ class Trainer:
             threads=cfg.rollout.async_threads, logprob_fn=self.logprob_fn,
             temperature=cfg.rollout.temperature, chunk=cfg.logprob_chunk, pad_id=self.pad_id,
             device=self.dist.device, routing=self.hooks.active,
-            address=addresses[self.dist.rank] if addresses else "")
+            addresses=tuple(addresses[self.dist.rank * n:(self.dist.rank + 1) * n]),
+            engines=n)
 
     def _behaviour_routing(self) -> bool:
         """Whether π_old's expert choices (what R2 replays, what ``moe/routing_change``

@@ -85,6 +85,17 @@ def test_config_errors():
         load_config(None, ["rollout.async_address=tcp://127.0.0.1:29500"])
     with pytest.raises(ConfigError, match="tcp://HOST:PORT or file:///path, got 'host:1'"):
         load_config(None, ["rollout.async_steps=1", "rollout.async_address=host:1"])
+    with pytest.raises(ConfigError, match="async_engines is used only"):
+        load_config(None, ["rollout.async_engines=2"])
+
+
+def test_engine_counts_are_checked_against_addresses_and_prompts(tmp_path):
+    with pytest.raises(ConfigError, match=r"1 address\(es\) for 1 trainer process\(es\) x 2 "):
+        Trainer(_cfg(tmp_path, "a", "rollout.async_steps=1", "rollout.async_engines=2",
+                     "rollout.async_address=tcp://127.0.0.1:1")).setup()
+    with pytest.raises(ConfigError, match="each engine needs a prompt, but a trainer process "
+                                          "has 2"):
+        Trainer(_cfg(tmp_path, "b", "rollout.async_steps=1", "rollout.async_engines=3")).setup()
 
 
 def test_gspo_engine_refuses_an_address_it_cannot_join(capsys):
@@ -192,6 +203,33 @@ def test_pipeline_asks_ahead_in_order_and_checkpoints_its_inflight_batches():
         assert all(torch.equal(x, y) for x, y in zip(a.logprobs, b.logprobs))
     with pytest.raises(ValueError, match="async_steps=2, not 1"):
         _pipeline(model, tok, k=1, total=5, draws=[]).load_state_dict(state)
+
+
+def test_a_request_split_over_engines_samples_what_one_engine_does():
+    """rollout.async_engines: the request's prompts split over two engines (3 prompts: 2 + 1,
+    each with its own seeds), their batches merged back in order: the same responses as one
+    engine (sampling is seeded per prompt), log-probs to fp32 rounding (other batch sizes)."""
+    from gspo.rollout.async_engine import merge_encoded, split_request
+    from gspo.trainer.async_rollout import _Engines
+
+    model, tok = load_model("tiny:llama", seed=0)
+    req = Request(0, 0, [[1, 2, 3], [4, 5], [6, 7, 8, 9]], 2, SamplingParams(4, 1.0),
+                  [11, 12, 13], False)
+    shares = split_request(req, 2)
+    assert [len(r.prompts) for r in shares] == [2, 1]
+    assert [r.seeds for r in shares] == [[11, 12], [13]]
+    one, two = InlineEngine(model, tok, 1), _Engines([InlineEngine(model, tok, 1)
+                                                      for _ in range(2)])
+    for engine in (one, two):
+        engine.publish(model, 0)
+        engine.submit(req)
+    (s1, a), (s2, b) = one.take(), two.take()
+    assert s1 == s2 == 0 and b["versions"] == [0] * 6 and b["group_size"] == 2
+    assert a["prompt_ids"] == b["prompt_ids"] and a["response_ids"] == b["response_ids"]
+    assert all(torch.allclose(torch.tensor(x), torch.tensor(y), atol=1e-5)
+               for x, y in zip(a["logprobs"], b["logprobs"]))
+    with pytest.raises(ValueError, match="routing records do not merge"):
+        merge_encoded([{**a, "routing": [[1, [0, 1]]]}, a])
 
 
 def test_drift_metrics_on_a_hand_case():
@@ -428,3 +466,35 @@ def test_a_finished_run_resumed_with_more_steps_samples_its_next_batches_from_it
     extended = _trained(_cfg(tmp_path, "ext", "rollout.async_steps=2", "steps=5",
                              f"resume={tmp_path / 'ext'}"))
     assert [r["async/staleness_max"] for r in _rows(extended)] == [0, 1, 0, 1, 2]
+
+
+@pytest.mark.slow
+def test_two_engines_for_one_trainer_sample_and_train_as_one(tmp_path):
+    """rollout.async_engines=2: each engine process samples half of the prompts; the run
+    trains to the one-engine run's weights (< 1e-5 at lr 1e-4: the engines' batches of 4
+    rows instead of 8 round differently, which AdamW turns into ~lr x noise on weights whose
+    gradient is near 0), with the same rewards. Two `gspo engine`s in its place give the
+    spawned engines' run bit for bit."""
+    import subprocess
+    import sys
+
+    extra = ["steps=3", "rollout.async_steps=1", "optim.lr=1e-4", "save_every=1"]
+    one = _trained(_cfg(tmp_path, "one", *extra))
+    two = _trained(_cfg(tmp_path, "two", *extra, "rollout.async_engines=2"))
+    w1, w2 = (load_file(t.run_dir / "checkpoints/step_000003/model.safetensors")
+              for t in (one, two))
+    assert max(float((w1[k] - w2[k]).abs().max()) for k in w1) < 1e-5
+    assert [r["reward/mean"] for r in _rows(one)] == [r["reward/mean"] for r in _rows(two)]
+    assert [r["async/staleness_max"] for r in _rows(two)] == [0, 1, 1]
+    addresses = [f"tcp://127.0.0.1:{_free_port()}" for _ in range(2)]
+    servers = [subprocess.Popen([sys.executable, "-m", "gspo", "engine", a, "--timeout", "300"],
+                                stderr=subprocess.PIPE, text=True) for a in addresses]
+    try:
+        remote = _trained(_cfg(tmp_path, "remote", *extra, "rollout.async_engines=2",
+                               f"rollout.async_address={','.join(addresses)}"))
+        for s in servers:
+            assert s.wait(timeout=60) == 0, s.stderr.read()
+    finally:
+        for s in servers:
+            s.kill()
+    _assert_same_run(two, remote, step=3)
