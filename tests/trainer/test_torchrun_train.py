@@ -99,7 +99,8 @@ def test_one_address_per_trainer_process(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy,model", [("ddp", "tiny:llama"), ("fsdp2", "tiny:llama"),
-                                            ("ddp", "tiny:qwen3_moe")])
+                                            ("ddp", "tiny:qwen3_moe"),
+                                            ("fsdp2", "tiny:qwen3_moe")])
 def test_async_under_torchrun_matches_one_process_and_resumes(tmp_path, strategy, model):
     """k = 1 on 2 trainer ranks, each with its engine process, trains to the weights of the
     one-process k = 1 run (< 1e-5, while one step moves them by ~2e-4: the gradient
