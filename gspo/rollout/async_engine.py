@@ -45,7 +45,7 @@ import torch
 import torch.multiprocessing as mp
 
 from gspo.models.moe import capture_routing
-from gspo.rollout.batch import Rollout, pad_batch
+from gspo.rollout.batch import Rollout, pad_batch, share
 from gspo.rollout.engine import EngineOptions, build_engine
 from gspo.rollout.sampler import SamplingParams
 
@@ -202,13 +202,9 @@ def split_request(req: Request, parts: int) -> list[Request]:
     """``req`` as ``parts`` requests for contiguous shares of its prompts (the first
     ``len % parts`` one more), each with its prompts' seeds. Sampling is seeded per prompt, so
     the shares sample what the whole request would."""
-    base, extra = divmod(len(req.prompts), parts)
-    out, lo = [], 0
-    for i in range(parts):
-        hi = lo + base + (i < extra)
-        out.append(dataclasses.replace(req, prompts=req.prompts[lo:hi], seeds=req.seeds[lo:hi]))
-        lo = hi
-    return out
+    bounds = [share(len(req.prompts), parts, i) for i in range(parts)]
+    return [dataclasses.replace(req, prompts=req.prompts[lo:hi], seeds=req.seeds[lo:hi])
+            for lo, hi in bounds]
 
 
 def merge_encoded(parts: list[dict[str, Any]]) -> dict[str, Any]:

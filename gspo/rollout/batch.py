@@ -61,6 +61,14 @@ class Rollout:
                        trainer_routing=self._select_routing(self.trainer_routing, idx))
 
 
+def share(n: int, parts: int, index: int) -> tuple[int, int]:
+    """``[lo, hi)``: the ``index``-th of ``parts`` contiguous shares of ``n`` items, the first
+    ``n % parts`` one larger (a torchrun rank's prompts; an engine's part of a request)."""
+    base, extra = divmod(n, parts)
+    lo = index * base + min(index, extra)
+    return lo, lo + base + (index < extra)
+
+
 def pad_batch(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int,
               logprobs: list[torch.Tensor] | None = None,
               model_mask: list[list[bool]] | None = None) -> dict[str, torch.Tensor]:

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as tdist
 
 from gspo.config import ConfigError
+from gspo.rollout.batch import share
 
 _OPS = {"sum": tdist.ReduceOp.SUM, "max": tdist.ReduceOp.MAX, "min": tdist.ReduceOp.MIN}
 
@@ -63,9 +64,7 @@ class Dist:
     def shard(self, n: int) -> tuple[int, int]:
         """``[lo, hi)``: this rank's contiguous share of ``n`` items (the first ``n % W`` ranks
         get one more), e.g. the step's prompts."""
-        base, extra = divmod(n, self.world_size)
-        lo = self.rank * base + min(self.rank, extra)
-        return lo, lo + base + (self.rank < extra)
+        return share(n, self.world_size, self.rank)
 
     # ------------------------------------------------------------------ collectives
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
