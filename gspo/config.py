@@ -152,8 +152,8 @@ class RolloutConfig:
         "(each with async_threads threads; weights published to every one)")
     async_address: str = _f(
         "", "async_steps > 0: where an engine started with `gspo engine ADDRESS` meets the "
-        "trainer (a torch.distributed init method: tcp://HOST:PORT, the trainer's host, or "
-        "file:///shared/path); weights go by broadcast, batches back over the same link. "
+        "trainer (tcp://HOST:PORT, HOST the trainer's, or file:///shared/path); weights go "
+        "by a gloo broadcast, batches back over the same link. "
         "One address per engine (async_engines per trainer process; under torchrun rank 0's "
         "first), comma-separated. "
         "Empty: the engine process is spawned here and shares memory "
@@ -519,7 +519,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 
 def check_engine_address(address: str, what: str) -> None:
-    """Where a trainer and a ``gspo engine`` meet: a torch.distributed init method it supports."""
+    """Where a trainer and a ``gspo engine`` meet: ``tcp://HOST:PORT`` (a TCP store the
+    trainer serves) or ``file:///path`` (a file store)."""
     url = urllib.parse.urlparse(address)
     try:
         port = url.port

@@ -44,6 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gspo.config import check_engine_address
 from gspo.rollout.async_engine import (
     Recompute,
     Request,
@@ -102,11 +103,10 @@ def _store(address: str, rank: int, timeout: datetime.timedelta) -> Any:
     (tcp://HOST:PORT) or a shared file (file:///path). Built here rather than by
     ``torch.distributed.rendezvous``, which under torchrun would look for torchrun's own
     store at ``HOST:PORT``."""
+    check_engine_address(address, "address")
     url = urllib.parse.urlparse(address)
     if url.scheme == "file":
         return dist.FileStore(url.path, 2)
-    if url.hostname is None or url.port is None:
-        raise ValueError(f"{address}: expected tcp://HOST:PORT")
     return dist.TCPStore(url.hostname, url.port, 2, is_master=rank == TRAINER, timeout=timeout,
                          wait_for_workers=True)
 
@@ -176,7 +176,7 @@ class RemoteEngine:
         return payload
 
     def close(self) -> None:
-        """Stop the engine (it exits) and leave the world; quietly if the engine is gone."""
+        """Stop the engine (it exits); quietly if the engine is gone."""
         if self.closed:
             return
         self.closed = True
