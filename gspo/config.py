@@ -578,8 +578,8 @@ def validate(cfg: TrainConfig) -> None:
            "rollout.async_address is used only with rollout.async_steps > 0")
     for address in r.async_address.split(",") if r.async_address else ():
         check_engine_address(address, "rollout.async_address")
-    _check(r.async_steps == 0 or r.engine == "hf",
-           "rollout.async_steps > 0 needs rollout.engine=hf (an async vLLM server is not built)")
+    _check(r.async_steps == 0 or r.engine in ("hf", "vllm"),
+           f"rollout.async_steps > 0 runs rollout.engine=hf or vllm, not {r.engine}")
     _check(r.async_steps == 0 or (r.max_turns == 1 and not r.dynamic_sampling),
            "rollout.async_steps > 0 does not support rollout.max_turns > 1 or "
            "rollout.dynamic_sampling yet")

@@ -22,8 +22,10 @@ copy per dtype) and the engine process keeps one model on the device, itself vie
 flat device buffer per dtype: before a batch from another version it copies that slot in,
 one host-to-device copy per dtype.
 
-Only engines that sample from the module they are given (``shares_policy_weights``, i.e.
-``hf``) can run here; a vLLM engine would use its own server process instead (not built).
+An engine that samples from the module it is given (``shares_policy_weights``: ``hf`` at
+fp32) samples each slot's model as it is. One with its own copy of the weights (``hf`` at
+``rollout.precision=bf16``, ``vllm``) is started once in the engine process and synced from a
+slot (``sync_weights``) whenever the next batch needs another version than the one it holds.
 An engine started elsewhere (``gspo engine ADDRESS``, :mod:`gspo.rollout.remote_engine`) runs
 the same loop (:func:`run_engine`) on weights it receives by ``torch.distributed`` broadcast.
 """
@@ -46,7 +48,7 @@ import torch.multiprocessing as mp
 
 from gspo.models.moe import capture_routing
 from gspo.rollout.batch import Rollout, pad_batch, share
-from gspo.rollout.engine import EngineOptions, build_engine
+from gspo.rollout.engine import EngineOptions, build_engine, engine_capabilities
 from gspo.rollout.sampler import SamplingParams
 
 POLL_S = 1.0  # how often a waiting trainer checks that the engine process is still alive
@@ -190,12 +192,13 @@ def _decode_routing(enc: list[list[Any]] | None) -> list[torch.Tensor] | None:
 
 def _encode(roll: Rollout, trainer_lp: list[list[float]] | None,
             trainer_routing: list[torch.Tensor] | None, version: int,
-            seconds: float) -> dict[str, Any]:
+            seconds: float, sync_s: float = 0.0) -> dict[str, Any]:
     return {"prompt_ids": roll.prompt_ids, "response_ids": roll.response_ids,
             "logprobs": [lp.tolist() for lp in roll.logprobs], "truncated": roll.truncated,
             "group_size": roll.group_size, "versions": [version] * len(roll),
             "trainer_logprobs": trainer_lp, "routing": _encode_routing(roll.routing),
-            "trainer_routing": _encode_routing(trainer_routing), "generate_s": seconds}
+            "trainer_routing": _encode_routing(trainer_routing), "generate_s": seconds,
+            "sync_s": sync_s}
 
 
 def split_request(req: Request, parts: int) -> list[Request]:
@@ -219,7 +222,8 @@ def merge_encoded(parts: list[dict[str, Any]]) -> dict[str, Any]:
     out["trainer_logprobs"] = (None if any(t is None for t in trainer)
                                else [x for t in trainer for x in t])
     out.update(group_size=parts[0]["group_size"], routing=None, trainer_routing=None,
-               generate_s=max(p["generate_s"] for p in parts))
+               generate_s=max(p["generate_s"] for p in parts),
+               sync_s=max(p.get("sync_s", 0.0) for p in parts))
     return out
 
 
@@ -284,6 +288,37 @@ class _DeviceModel:
             self.version = version
 
 
+class _Sampler:
+    """The engine process's rollout engine(s). One that samples from the module it is given
+    (``shares_policy_weights``: ``hf`` at fp32) runs on each slot's model as it is. One with its
+    own copy of the weights (``hf`` at bf16, ``vllm``) is started once and synced from the
+    slot a batch needs whenever that batch's version is not the one it holds."""
+
+    def __init__(self, name: str, models: list[torch.nn.Module], tokenizer: Any,
+                 opts: EngineOptions) -> None:
+        self.models = models
+        self.shares = engine_capabilities(name, opts).shares_policy_weights
+        self.engines = [build_engine(name, m, tokenizer, opts)
+                        for m in (models if self.shares else models[:1])]
+        self.synced = -1  # the version the one engine with its own weights holds (-1: none)
+        self.sync_s = 0.0  # seconds the last engine_for spent syncing weights
+
+    def engine_for(self, slot: int, version: int) -> Any:
+        """The engine that samples ``version``, which ``slot`` holds."""
+        self.sync_s = 0.0
+        if self.shares:
+            return self.engines[slot]
+        if version != self.synced:
+            start = time.perf_counter()
+            self.engines[0].sync_weights(self.models[slot])
+            self.synced, self.sync_s = version, time.perf_counter() - start
+        return self.engines[0]
+
+    def close(self) -> None:
+        for e in self.engines:
+            e.close()
+
+
 def run_engine(skeleton: bytes, entries: list[_Entry], slots: list[dict[str, torch.Tensor]],
                slot_version: Callable[[int, int | None], int], tokenizer: Any, engine: str,
                opts: EngineOptions, threads: int, recompute: Recompute,
@@ -305,24 +340,25 @@ def run_engine(skeleton: bytes, entries: list[_Entry], slots: list[dict[str, tor
             on_device = _DeviceModel(skeleton, entries, {k: v.numel() for k, v in
                                                          slots[0].items()}, device)
             models = [on_device.model] * len(slots)
-        engines = [build_engine(engine, m, tokenizer, opts) for m in models]
-        put("ready", None)
-        while (req := next_request()) is not None:
-            slot = req.version % len(slots)
-            if (held := slot_version(slot, req.version)) != req.version:
-                raise RuntimeError(f"step {req.step} needs policy version {req.version}, but "
-                                   f"slot {slot} holds version {held}")
-            start = time.perf_counter()
-            if on_device is not None:
-                on_device.load(slots[slot], req.version)
-            roll = engines[slot].generate(req.prompts, group_size=req.group_size,
-                                          params=req.params, seeds=req.seeds)
-            tlp, routing = (_trainer_logprobs(models[slot], roll, recompute) if req.recompute
-                            else (None, None))
-            if slot_version(slot, None) != req.version:  # overwritten while sampling
-                raise RuntimeError(f"slot {slot} was overwritten while sampling step {req.step}")
-            put("batch", (req.step, _encode(roll, tlp, routing, req.version,
-                                            time.perf_counter() - start)))
+        with contextlib.closing(_Sampler(engine, models, tokenizer, opts)) as sampler:
+            put("ready", None)
+            while (req := next_request()) is not None:
+                slot = req.version % len(slots)
+                if (held := slot_version(slot, req.version)) != req.version:
+                    raise RuntimeError(f"step {req.step} needs policy version {req.version}, but "
+                                       f"slot {slot} holds version {held}")
+                start = time.perf_counter()
+                if on_device is not None:
+                    on_device.load(slots[slot], req.version)
+                roll = sampler.engine_for(slot, req.version).generate(
+                    req.prompts, group_size=req.group_size, params=req.params, seeds=req.seeds)
+                tlp, routing = (_trainer_logprobs(models[slot], roll, recompute) if req.recompute
+                                else (None, None))
+                if slot_version(slot, None) != req.version:  # overwritten while sampling
+                    raise RuntimeError(f"slot {slot} was overwritten while sampling step "
+                                       f"{req.step}")
+                put("batch", (req.step, _encode(roll, tlp, routing, req.version,
+                                                time.perf_counter() - start, sampler.sync_s)))
     except BaseException:  # the trainer raises it with this text (see AsyncEngine.take)
         put("error", traceback.format_exc())
 

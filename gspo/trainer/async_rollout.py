@@ -167,6 +167,9 @@ class AsyncRollout:
         lag = torch.tensor([step - v for v in roll.versions], dtype=torch.float64)
         # time/rollout_s is the trainer's wait for the batch; the engine's own time is apart
         roll.extras = {"time/rollout_engine_s": enc["generate_s"],
+                       # an engine's sync of its own copy of the weights (bf16, vLLM), part of
+                       # time/rollout_engine_s
+                       "async/engine_sync_s": enc.get("sync_s", 0.0),
                        "async/staleness_mean": float(lag.mean()),
                        "async/staleness_max": float(lag.max()),
                        "async/staleness_min": float(lag.min())}

@@ -263,7 +263,8 @@ class Trainer:
 
     def _start_engine(self) -> None:
         """Check the config against what the engine declares it can do (routing for R3, one
-        engine per rank under torchrun), build the MoE hooks, then start the engine."""
+        engine per rank under torchrun), build the MoE hooks, then start the engine (the
+        synchronous loop's: with ``rollout.async_steps > 0`` the engine process starts its own)."""
         cfg = self.cfg
         opts = EngineOptions(dtype=cfg.dtype, precision=cfg.rollout.precision, seed=cfg.seed,
                              record_routing=cfg.moe.routing_replay == "r3",
@@ -277,7 +278,8 @@ class Trainer:
         if self.dist.enabled and not caps.per_rank:
             raise ConfigError(f"rollout.engine={cfg.rollout.engine} runs in one process only "
                               "for now; use rollout.engine=hf under torchrun")
-        self.engine = build_engine(cfg.rollout.engine, self.model, self.tokenizer, opts)
+        if cfg.rollout.async_steps == 0:  # async: the engine runs in the pipeline's process
+            self.engine = build_engine(cfg.rollout.engine, self.model, self.tokenizer, opts)
 
     def _choose_passes(self) -> None:
         """The log-prob pass every phase uses. Shared-prompt packing runs each prompt once

@@ -77,8 +77,9 @@ def test_k0_is_the_synchronous_loop_with_pinned_losses(tmp_path):
 def test_config_errors():
     with pytest.raises(ConfigError, match="async_threads is used only"):
         load_config(None, ["rollout.async_threads=2"])
-    with pytest.raises(ConfigError, match=r"needs rollout\.engine=hf"):
-        load_config(None, ["rollout.async_steps=1", "rollout.engine=vllm"])
+    with pytest.raises(ConfigError, match=r"runs rollout\.engine=hf or vllm, not llamacpp"):
+        load_config(None, ["rollout.async_steps=1", "rollout.engine=llamacpp"])
+    load_config(None, ["rollout.async_steps=1", "rollout.engine=vllm"])  # checked, not started
     with pytest.raises(ConfigError, match="async_steps must be >= 0"):
         load_config(None, ["rollout.async_steps=-1"])
     with pytest.raises(ConfigError, match="async_address is used only"):
@@ -291,6 +292,24 @@ def test_zero_staleness_pipeline_matches_the_sync_loop_bit_for_bit(tmp_path, mon
     _, rows_pipe = _sync_and_zero_staleness_pipeline(
         tmp_path, monkeypatch, "objective.old_logprobs=rollout")
     assert all(r["async/staleness_max"] == 0 for r in rows_pipe)
+
+
+def test_an_engine_with_its_own_bf16_copy_follows_the_published_weights(tmp_path,
+                                                                        monkeypatch):
+    """``rollout.precision=bf16``: the engine process samples from a bfloat16 copy, which it
+    must sync from the slot of every new version (it once kept the copies it made at start,
+    one per slot, and sampled stale or never-published weights). At k = 0 the pipeline gives
+    the synchronous loop's run bit for bit; at k = 1 the engine's log-probs stay within bf16
+    rounding of the trainer's pass on the same version at every step."""
+    _sync_and_zero_staleness_pipeline(tmp_path, monkeypatch, "rollout.precision=bf16",
+                                      "objective.old_logprobs=rollout")
+    monkeypatch.undo()
+    rows = _rows(_trained(_cfg(tmp_path, "k1-bf16", "steps=4", "rollout.async_steps=1",
+                               "rollout.precision=bf16", "logging.rollout_check_every=1")))
+    assert [r["async/staleness_max"] for r in rows] == [0, 1, 1, 1]
+    assert rows[-1]["async/staleness_drift_abs_max"] > 1e-2  # versions far apart
+    for r in rows:  # the same version, bf16 against fp32 (it was 0.2 from step 2 on)
+        assert r["async/engine_mismatch_abs_max"] < 3e-3, r["async/engine_mismatch_abs_max"]
 
 
 def _sync_and_zero_staleness_pipeline(tmp_path, monkeypatch, *extra):
