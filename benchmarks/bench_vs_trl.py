@@ -74,6 +74,13 @@ def _timed(fn: Any, into: list[tuple[float, float]]) -> Any:
     return wrapper
 
 
+def _engine_side(m: dict[str, float]) -> dict[str, float]:
+    """An async step's engine-process seconds (its batch, and the sync of its own weight copy
+    within that), where the metrics have them."""
+    keys = {"time/rollout_engine_s": "engine_s", "async/engine_sync_s": "engine_sync_s"}
+    return {short: m[k] for k, short in keys.items() if k in m}
+
+
 def _step(wall: float, cpu: float, rollout: tuple[float, float], response_tokens: float,
           tokens: float, **extra: float) -> dict[str, float]:
     return {"step_s": wall, "step_cpu_s": cpu, "rollout_s": rollout[0],
@@ -144,7 +151,8 @@ def run_gspo(spec: dict[str, Any]) -> dict[str, Any]:
                                m["perf/update_tokens_per_s"] * m["time/update_s"],
                                old_logprobs_s=old[0], old_logprobs_cpu_s=old[1],
                                sys_cpu_s=r1.ru_stime - r0.ru_stime,
-                               minor_faults=float(r1.ru_minflt - r0.ru_minflt)))
+                               minor_faults=float(r1.ru_minflt - r0.ru_minflt),
+                               **_engine_side(m)))
         trainer.cleanup()  # the engine (and an async engine's process)
     return {"arm": spec["arm"], "steps": steps}
 

@@ -103,12 +103,13 @@ def median(xs: list[float]) -> float:
 
 
 def run_child(module: str, spec: dict[str, Any], *, timeout: float = 3600,
-              env: dict[str, str] | None = None) -> dict[str, Any]:
+              env: dict[str, str] | None = None, python: str | None = None) -> dict[str, Any]:
     """Run ``python -m module --child '<json spec>'``; the child prints one JSON line last.
-    ``env``: extra environment variables of the child (read before torch loads)."""
+    ``env``: extra environment variables of the child (read before torch loads); ``python``:
+    the interpreter (another venv's), default this one."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
                TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore", **(env or {}))
-    cmd = [sys.executable, "-m", module, "--child", json.dumps(spec)]
+    cmd = [python or sys.executable, "-m", module, "--child", json.dumps(spec)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
     lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]

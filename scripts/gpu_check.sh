@@ -18,7 +18,8 @@
 #      latter also with its engine started by `gspo engine` (rollout.async_address); s/step,
 #      response tok/s, peak GPU memory, the rollout-vs-trainer log-prob gap
 #   3. the whole default job on CUDA (held-out accuracy before -> after, wall time)
-#   4. the official vllm engine (rollout.engine=vllm), when vllm is importable
+#   4. the official vllm engine (rollout.engine=vllm), sync and async k = 1, when vllm is
+#      importable
 #   5. the upcycled MoE comparison (configs/moe/upcycled_compare.yaml, issue 16): its 15 runs on
 #      the one GPU, GSPO_GPU_PARALLEL (9) at a time, until GSPO_GPU_DEADLINE seconds after the
 #      script started (~12 min for all 15 at ~4.7 s a step: 2026-12-04 measurements)
@@ -181,6 +182,9 @@ elif "$PY" -c "import vllm" >/dev/null 2>&1; then
     note "vllm $("$PY" -c 'import vllm; print(vllm.__version__)' 2>&1 | tail -1)"
     run vllm_sync 240 "${SHORT[@]}" rollout.engine=vllm rollout.vllm_memory_fraction=0.3 \
         logging.rollout_check_every=1
+    # k = 1: vLLM in the engine process on the same GPU, synced there from each new version
+    run vllm_async1 240 "${SHORT[@]}" rollout.engine=vllm rollout.vllm_memory_fraction=0.3 \
+        rollout.async_steps=1 logging.rollout_check_every=1
 else
     note "vllm: SKIPPED, not importable here (the official wheel and its CUDA dependencies are several hundred MB; a machine without a package index cannot install it)"
 fi

