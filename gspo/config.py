@@ -142,7 +142,7 @@ class RolloutConfig:
         "TRL mask_truncated_completions); they still count in their group's advantages")
     async_steps: int = _f(
         0, "k > 0: the engine samples in its own process up to k steps ahead, step t's batch "
-        "from the policy after max(0, t-k) updates (staleness <= k; engine=hf, no LoRA; "
+        "from the policy after max(0, t-k) updates (staleness <= k; engine=hf or vllm; "
         "under torchrun one engine per trainer process); 0: rollout and update in sequence "
         "(see gspo.trainer.async_rollout)")
     async_threads: int = _f(1, "async_steps > 0: torch threads of the engine process (the "
@@ -635,6 +635,9 @@ def validate(cfg: TrainConfig) -> None:
     _check(lo.r >= 0, "lora.r must be >= 0")
     _check(lo.alpha > 0 and 0 <= lo.dropout < 1, "lora.alpha must be > 0, lora.dropout in [0, 1)")
     _check(bool(lo.target_modules), "lora.target_modules must not be empty")
+    _check(lo.r == 0 or r.engine == "hf",
+           f"lora.r > 0 needs rollout.engine=hf (syncing LoRA weights into {r.engine} is not "
+           "implemented)")
     _check(cfg.logging.samples_every >= 0, "logging.samples_every must be >= 0")
     _check(cfg.logging.drift_every >= 0, "logging.drift_every must be >= 0")
     _check(0 <= cfg.reward.overlong_buffer <= r.max_new_tokens,

@@ -311,9 +311,6 @@ class Trainer:
 
     def _pipeline(self, k: int) -> AsyncRollout:
         cfg = self.cfg
-        if cfg.lora.r:
-            raise ConfigError("rollout.async_steps > 0 needs a fully fine-tuned policy for now "
-                              "(no LoRA)")
         # Every trainer process (torchrun: every rank) has engines of its own for its share of
         # the prompts, each for a share of that: spawned beside it, or `gspo engine`s at its
         # own addresses.
