@@ -216,3 +216,47 @@ def test_openenv_adapter_drives_an_in_process_environment():
     env.reset("q")
     assert env.step("hi") == Step("heard hi")
     assert env.step("again").done
+
+
+def _two_turn_run(tmp_path, name, *extra):
+    cfg = load_config(None, [
+        "model=tiny:llama", f"output_dir={tmp_path}", f"run_name={name}", "progress=false",
+        "tensorboard=false", "steps=3", "rollout.max_new_tokens=5", "rollout.prompts_per_step=2",
+        "rollout.group_size=4", "rollout.temperature=1.0", "task.eval_size=0",
+        "eval_before=false", "objective.num_minibatches=2", "rollout.max_turns=2",
+        f"rollout.env={__name__}:Scripted", "reward.functions=[final_numeric_match]",
+        "optim.lr=3e-3", "logging.samples_every=0", *extra])
+    trainer = Trainer(cfg).setup()
+    try:
+        trainer.train()
+    finally:
+        trainer.cleanup()
+    rows = [json.loads(x) for x in open(trainer.run_dir / "metrics.jsonl")]
+    return trainer, [r for r in rows if "train/loss" in r]
+
+
+def test_async_steps_run_multi_turn_episodes_in_the_engine_process(tmp_path, monkeypatch):
+    """``rollout.async_steps`` with ``rollout.max_turns=2``: the engine process resets each
+    row's environment with its example and runs the episodes. With zero staleness (the
+    pipeline at k = 0) it gives the synchronous loop's weights bit for bit; at k = 1 its
+    log-probs are the trainer's on the same version at every step, observation tokens masked."""
+    from safetensors.torch import load_file
+
+    sync, rows_sync = _two_turn_run(tmp_path, "sync", "objective.old_logprobs=rollout")
+    monkeypatch.setattr(Trainer, "_async_rollout", lambda self, k: self._pipeline(0))
+    pipe, rows_pipe = _two_turn_run(tmp_path, "pipe", "objective.old_logprobs=rollout")
+    monkeypatch.undo()
+    wa, wb = (load_file(t.run_dir / "checkpoints/step_000003/model.safetensors")
+              for t in (sync, pipe))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert [r["train/loss"] for r in rows_pipe] == [r["train/loss"] for r in rows_sync]
+    for a, b in zip(rows_sync, rows_pipe):  # the episodes' own metrics came through
+        for key in ("rollout/turns_mean", "rollout/observation_tokens_mean"):
+            assert b[key] == a[key], key
+    assert rows_pipe[-1]["rollout/turns_mean"] == 2
+
+    _, rows = _two_turn_run(tmp_path, "k1", "rollout.async_steps=1",
+                            "logging.rollout_check_every=1")
+    assert [r["async/staleness_max"] for r in rows] == [0, 1, 1]
+    assert all(r["rollout/observation_tokens_mean"] > 0 for r in rows)
+    assert all(r["async/engine_mismatch_abs_max"] < 3e-5 for r in rows)

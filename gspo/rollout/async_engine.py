@@ -49,6 +49,7 @@ import torch.multiprocessing as mp
 from gspo.models.moe import capture_routing
 from gspo.rollout.batch import Rollout, pad_batch, share
 from gspo.rollout.engine import EngineOptions, build_engine, engine_capabilities
+from gspo.rollout.multiturn import engine_sampler
 from gspo.rollout.sampler import SamplingParams
 
 POLL_S = 1.0  # how often a waiting trainer checks that the engine process is still alive
@@ -164,6 +165,9 @@ class Request:
     params: SamplingParams
     seeds: list[int]
     recompute: bool  # also run the trainer's log-prob pass on the batch (Rollout.trainer_logprobs)
+    # multi-turn rollouts (rollout.max_turns > 1): each prompt's task example, which resets
+    # its rows' environments in the engine process (see run_engine's ``turns``)
+    examples: list[Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -198,7 +202,7 @@ def _encode(roll: Rollout, trainer_lp: list[list[float]] | None,
             "group_size": roll.group_size, "versions": [version] * len(roll),
             "trainer_logprobs": trainer_lp, "routing": _encode_routing(roll.routing),
             "trainer_routing": _encode_routing(trainer_routing), "generate_s": seconds,
-            "sync_s": sync_s}
+            "sync_s": sync_s, "model_mask": roll.model_mask, "extras": dict(roll.extras)}
 
 
 def split_request(req: Request, parts: int) -> list[Request]:
@@ -206,7 +210,8 @@ def split_request(req: Request, parts: int) -> list[Request]:
     ``len % parts`` one more), each with its prompts' seeds. Sampling is seeded per prompt, so
     the shares sample what the whole request would."""
     bounds = [share(len(req.prompts), parts, i) for i in range(parts)]
-    return [dataclasses.replace(req, prompts=req.prompts[lo:hi], seeds=req.seeds[lo:hi])
+    return [dataclasses.replace(req, prompts=req.prompts[lo:hi], seeds=req.seeds[lo:hi],
+                                examples=None if req.examples is None else req.examples[lo:hi])
             for lo, hi in bounds]
 
 
@@ -221,6 +226,11 @@ def merge_encoded(parts: list[dict[str, Any]]) -> dict[str, Any]:
     trainer = [p["trainer_logprobs"] for p in parts]
     out["trainer_logprobs"] = (None if any(t is None for t in trainer)
                                else [x for t in trainer for x in t])
+    masks = [p.get("model_mask") for p in parts]
+    out["model_mask"] = None if any(m is None for m in masks) else [x for m in masks for x in m]
+    rows = [len(p["response_ids"]) for p in parts]  # per-row means (multi-turn), row-weighted
+    out["extras"] = {k: sum(p["extras"][k] * n for p, n in zip(parts, rows)) / sum(rows)
+                     for k in parts[0].get("extras") or {}}
     out.update(group_size=parts[0]["group_size"], routing=None, trainer_routing=None,
                generate_s=max(p["generate_s"] for p in parts),
                sync_s=max(p.get("sync_s", 0.0) for p in parts))
@@ -232,8 +242,9 @@ def decode(d: dict[str, Any]) -> Rollout:
     f32 = lambda xs: [torch.tensor(x, dtype=torch.float32) for x in xs]  # noqa: E731
     tlp = d.get("trainer_logprobs")
     return Rollout(d["prompt_ids"], d["response_ids"], f32(d["logprobs"]), d["truncated"],
-                   d["group_size"], _decode_routing(d.get("routing")), versions=d["versions"],
-                   trainer_logprobs=None if tlp is None else f32(tlp),
+                   d["group_size"], _decode_routing(d.get("routing")),
+                   extras=dict(d.get("extras") or {}), model_mask=d.get("model_mask"),
+                   versions=d["versions"], trainer_logprobs=None if tlp is None else f32(tlp),
                    trainer_routing=_decode_routing(d.get("trainer_routing")))
 
 
@@ -323,12 +334,14 @@ def run_engine(skeleton: bytes, entries: list[_Entry], slots: list[dict[str, tor
                slot_version: Callable[[int, int | None], int], tokenizer: Any, engine: str,
                opts: EngineOptions, threads: int, recompute: Recompute,
                next_request: Callable[[], Request | None], put: Callable[[str, Any], None],
-               device: torch.device) -> None:
+               device: torch.device, turns: Any = None) -> None:
     """The engine's loop, wherever its weights and requests come from: one model per slot (on
     the CPU) or one device model loaded from the slot a batch needs (GPU), then batches in the
     order they were asked, each ``put("batch", (step, encoded rollout))``; any failure is
     ``put("error", traceback)``. ``slot_version(slot, wanted)`` is the version a slot holds
-    (a transport that receives weights may first wait for ``wanted``; None: do not wait)."""
+    (a transport that receives weights may first wait for ``wanted``; None: do not wait).
+    ``turns`` (a :class:`gspo.rollout.multiturn.TurnLoop`): requests that carry their examples
+    are sampled as multi-turn episodes, their environments here in the engine process."""
     try:
         torch.set_num_threads(threads)
         on_device = None
@@ -350,8 +363,13 @@ def run_engine(skeleton: bytes, entries: list[_Entry], slots: list[dict[str, tor
                 start = time.perf_counter()
                 if on_device is not None:
                     on_device.load(slots[slot], req.version)
-                roll = sampler.engine_for(slot, req.version).generate(
-                    req.prompts, group_size=req.group_size, params=req.params, seeds=req.seeds)
+                engine_now = sampler.engine_for(slot, req.version)
+                if turns is not None and req.examples is not None:
+                    roll = turns.run(engine_sampler(engine_now, req.params), req.examples,
+                                     req.prompts, req.seeds, req.group_size)
+                else:
+                    roll = engine_now.generate(req.prompts, group_size=req.group_size,
+                                               params=req.params, seeds=req.seeds)
                 tlp, routing = (_trainer_logprobs(models[slot], roll, recompute) if req.recompute
                                 else (None, None))
                 if slot_version(slot, None) != req.version:  # overwritten while sampling
@@ -366,12 +384,12 @@ def run_engine(skeleton: bytes, entries: list[_Entry], slots: list[dict[str, tor
 def _engine_main(skeleton: bytes, entries: list[_Entry], slots: list[dict[str, torch.Tensor]],
                  slot_versions: torch.Tensor, tokenizer: Any, engine: str, opts: EngineOptions,
                  threads: int, recompute: Recompute, requests: Any, results: Any,
-                 device: torch.device) -> None:
+                 device: torch.device, turns: Any) -> None:
     """The engine process on this machine: slots in shared memory, requests and batches
     through queues."""
     run_engine(skeleton, entries, slots, lambda slot, _: int(slot_versions[slot]), tokenizer,
                engine, opts, threads, recompute, lambda: _next_request(requests),
-               lambda kind, payload: results.put((kind, payload)), device)
+               lambda kind, payload: results.put((kind, payload)), device, turns)
 
 
 def fill_slot(slot: dict[str, torch.Tensor], entries: list[_Entry], unique: list[int],
@@ -400,7 +418,7 @@ class AsyncEngine:
     def __init__(self, model: torch.nn.Module, tokenizer: Any, *, engine: str,
                  opts: EngineOptions, steps_ahead: int, threads: int, recompute: Recompute,
                  version: int = 0, startup_timeout_s: float = 600.0,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, turns: Any = None) -> None:
         self.entries, sizes = _layout(model)
         self._unique = distinct(self.entries)  # tied tensors are copied once
         self.slots = [{k: torch.empty(n, dtype=getattr(torch, k)).share_memory_()
@@ -414,7 +432,7 @@ class AsyncEngine:
             target=_engine_main, daemon=True, name="gspo-rollout-engine",
             args=(_skeleton(model), self.entries, self.slots, self.slot_versions, tokenizer,
                   engine, opts, threads, recompute, self.requests, self.results,
-                  device if device is not None else torch.device("cpu")))
+                  device if device is not None else torch.device("cpu"), turns))
         self.proc.start()
         kind, payload = self._get(startup_timeout_s)
         if kind != "ready":

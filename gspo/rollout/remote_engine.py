@@ -133,7 +133,7 @@ class RemoteEngine:
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, *, address: str, engine: str,
                  opts: EngineOptions, steps_ahead: int, threads: int, recompute: Recompute,
-                 version: int = 0, timeout_s: float = 1800.0) -> None:
+                 version: int = 0, timeout_s: float = 1800.0, turns: Any = None) -> None:
         group, self.weights = _join(address, TRAINER, timeout_s)
         self.closed = False
         try:
@@ -146,7 +146,7 @@ class RemoteEngine:
             self.messages.send({"skeleton": _skeleton(model), "entries": self.entries,
                                 "sizes": sizes, "slots": steps_ahead + 1, "tokenizer": tokenizer,
                                 "engine": engine, "opts": opts, "threads": threads,
-                                "recompute": recompute})
+                                "recompute": recompute, "turns": turns})
             self.publish(model, version)
             kind, payload = self.messages.recv()
             if kind != "ready":
@@ -237,6 +237,7 @@ def serve(address: str, *, device: str = "cpu", timeout_s: float = 1800.0) -> No
     run_engine(setup["skeleton"], setup["entries"], slots.slots, slots.version,
                setup["tokenizer"], setup["engine"], setup["opts"], setup["threads"],
                setup["recompute"], messages.recv,
-               lambda kind, payload: messages.send((kind, payload)), torch.device(device))
+               lambda kind, payload: messages.send((kind, payload)), torch.device(device),
+               setup.get("turns"))
     messages.flush()
     slots.thread.join(timeout=timeout_s)

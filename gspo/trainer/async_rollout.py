@@ -98,7 +98,7 @@ class AsyncRollout:
                  logprob_fn: Callable[..., Any], temperature: float, chunk: int,
                  pad_id: int, device: torch.device | None = None,
                  routing: bool = False, addresses: tuple[str, ...] = (),
-                 engines: int = 1) -> None:
+                 engines: int = 1, turns: Any = None) -> None:
         """``draw(step)``: the step's prompts from the task (called once per step, in order);
         ``check(step)``: whether the engine process also runs the trainer's log-prob pass on
         that step's batch (every step for ``old_logprobs=recompute``). ``device``: where the
@@ -107,10 +107,11 @@ class AsyncRollout:
         ``engines``: how many engines sample this process's batches, each a share of the
         prompts. ``addresses`` (one per engine): meet engines started with
         ``gspo engine ADDRESS`` there (:class:`gspo.rollout.remote_engine.RemoteEngine`)
-        instead of spawning them here."""
+        instead of spawning them here. ``turns`` (``rollout.max_turns > 1``): the engines
+        sample multi-turn episodes, each request carrying its prompts' examples."""
         self.k, self.total, self.draw, self.check = k, total_steps, draw, check
         self.engine_name, self.opts, self.threads = engine, opts, threads
-        self.addresses, self.n_engines = addresses, engines
+        self.addresses, self.n_engines, self.turns = addresses, engines, turns
         self.device = device if device is not None else torch.device("cpu")
         self.recompute = Recompute(logprob_fn, temperature, chunk, pad_id, routing)
         self.engine: AsyncEngine | RemoteEngine | _Engines | None = None
@@ -129,12 +130,12 @@ class AsyncRollout:
                     started.append(RemoteEngine(
                         model, tokenizer, address=self.addresses[i], engine=self.engine_name,
                         opts=self.opts, steps_ahead=self.k, threads=self.threads,
-                        recompute=self.recompute, version=version))
+                        recompute=self.recompute, version=version, turns=self.turns))
                 else:
                     started.append(AsyncEngine(
                         model, tokenizer, engine=self.engine_name, opts=self.opts,
                         steps_ahead=self.k, threads=self.threads, recompute=self.recompute,
-                        version=version, device=self.device))
+                        version=version, device=self.device, turns=self.turns))
         except BaseException:
             _Engines(started).close()
             raise
@@ -146,8 +147,9 @@ class AsyncRollout:
             # An extended run (resumed with more steps than it had) never drew its last k
             # batches, and their versions are gone: those come from the resumed weights.
             version = max(behaviour_version(b, self.k), self.floor)
-            self.engine.submit(dataclasses.replace(req, version=version,
-                                                   recompute=self.check(b)))
+            self.engine.submit(dataclasses.replace(
+                req, version=version, recompute=self.check(b),
+                examples=examples if self.turns is not None else None))
             self.inflight[b] = examples
             self.submitted = b + 1
 
@@ -166,7 +168,8 @@ class AsyncRollout:
         roll = decode(enc)
         lag = torch.tensor([step - v for v in roll.versions], dtype=torch.float64)
         # time/rollout_s is the trainer's wait for the batch; the engine's own time is apart
-        roll.extras = {"time/rollout_engine_s": enc["generate_s"],
+        roll.extras = {**roll.extras,  # a multi-turn batch's rollout/turns_mean etc.
+                       "time/rollout_engine_s": enc["generate_s"],
                        # an engine's sync of its own copy of the weights (bf16, vLLM), part of
                        # time/rollout_engine_s
                        "async/engine_sync_s": enc.get("sync_s", 0.0),

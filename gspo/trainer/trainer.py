@@ -340,7 +340,7 @@ class Trainer:
             temperature=cfg.rollout.temperature, chunk=cfg.logprob_chunk, pad_id=self.pad_id,
             device=self.dist.device, routing=self.hooks.active,
             addresses=tuple(addresses[self.dist.rank * n:(self.dist.rank + 1) * n]),
-            engines=n)
+            engines=n, turns=self.turns)
 
     def _behaviour_routing(self) -> bool:
         """Whether π_old's expert choices (what R2 replays, what ``moe/routing_change``

@@ -233,6 +233,34 @@ def test_a_request_split_over_engines_samples_what_one_engine_does():
         merge_encoded([{**a, "routing": [[1, [0, 1]]]}, a])
 
 
+def test_multi_turn_batches_travel_with_their_masks_and_metrics():
+    """A multi-turn batch (observation tokens masked, per-row episode metrics) survives the
+    engine's encoding (also what checkpoints store), and two engines' shares merge into one
+    batch: masks in row order, the metrics' row-weighted mean. A split request gives each
+    share its own prompts' examples."""
+    from gspo.rollout.async_engine import merge_encoded, split_request
+
+    def roll(rows, turns):
+        return Rollout([[1]] * rows, [[5, 6, 7]] * rows,
+                       [torch.tensor([-0.5, 0.0, -0.25])] * rows, [False] * rows, 1,
+                       extras={"rollout/turns_mean": turns},
+                       model_mask=[[True, False, True]] * rows)
+
+    a, b = (_encode(roll(n, t), None, None, 0, 0.1) for n, t in ((3, 2.0), (1, 1.0)))
+    back = decode(a)
+    assert back.model_mask == [[True, False, True]] * 3
+    assert back.extras == {"rollout/turns_mean": 2.0}
+    merged = decode(merge_encoded([a, b]))
+    assert merged.model_mask == [[True, False, True]] * 4
+    assert merged.extras == {"rollout/turns_mean": (3 * 2.0 + 1 * 1.0) / 4}
+    single = decode(merge_encoded([_encode(Rollout([[1]], [[5]], [torch.zeros(1)], [False], 1),
+                                           None, None, 0, 0.1)] * 2))
+    assert single.model_mask is None and single.extras == {}
+    req = Request(0, 0, [[1], [2], [3]], 2, SamplingParams(3, 1.0), [7, 8, 9], False,
+                  examples=["x", "y", "z"])
+    assert [r.examples for r in split_request(req, 2)] == [["x", "y"], ["z"]]
+
+
 def test_drift_metrics_on_a_hand_case():
     mask = torch.tensor([[0.0, 1.0, 1.0], [0.0, 1.0, 0.0]])
     engine = torch.tensor([[0.0, -1.0, -2.0], [0.0, -1.0, 0.0]])
