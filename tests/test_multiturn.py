@@ -260,3 +260,30 @@ def test_async_steps_run_multi_turn_episodes_in_the_engine_process(tmp_path, mon
     assert [r["async/staleness_max"] for r in rows] == [0, 1, 1]
     assert all(r["rollout/observation_tokens_mean"] > 0 for r in rows)
     assert all(r["async/engine_mismatch_abs_max"] < 3e-5 for r in rows)
+
+
+@pytest.mark.slow
+def test_a_gspo_engine_runs_lora_multi_turn_episodes_as_the_spawned_engine_does(tmp_path):
+    """The remote engine gets the turn loop over its link: k = 1 with a LoRA policy and
+    two-turn episodes, sampled by a ``gspo engine`` process, gives the spawned engine's run
+    (losses, episode metrics) exactly."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    extra = ["rollout.async_steps=1", "lora.r=4", "optim.lr=1e-2",
+             "logging.rollout_check_every=1"]
+    _, local = _two_turn_run(tmp_path, "local", *extra)
+    engine = subprocess.Popen([sys.executable, "-m", "gspo", "engine", address,
+                               "--timeout", "300"], stderr=subprocess.PIPE, text=True)
+    try:
+        _, remote = _two_turn_run(tmp_path, "remote", *extra, f"rollout.async_address={address}")
+        assert engine.wait(timeout=60) == 0, engine.stderr.read()[-3000:]
+    finally:
+        engine.kill()
+    for key in ("train/loss", "rollout/turns_mean", "rollout/observation_tokens_mean"):
+        assert [r[key] for r in remote] == [r[key] for r in local], key
+    assert all(r["async/engine_mismatch_abs_max"] < 3e-5 for r in remote)
