@@ -111,8 +111,10 @@ class OldPolicy:
     """What the π_old phase produced for the update and for the step's metrics.
 
     ``rollout``: log π_rollout as the engine returned it [N, T]; ``recomputed``: the trainer's
-    fp32 log π_old (None on steps without the pass) and ``entropy`` the policy's entropy there;
-    for a plan with ``old_from_first`` both get the first minibatch's rows from the update.
+    fp32 pass on this step's weights (None on steps without it: π_old, or in the async loop
+    this step's policy to measure the behaviour policy against) and ``entropy`` the policy's
+    entropy there; for a plan with ``old_from_first`` both get the first minibatch's rows from
+    the update.
     """
 
     rollout: torch.Tensor
@@ -127,7 +129,12 @@ class OldPolicy:
         if result.first_rows is None or self.entropy is None:
             return
         rows, ent = result.first_rows, result.first_entropy
-        self.recomputed = result.old_logprobs
+        if result.first_logprobs is None:  # they were π_old: the update's filled-in copy
+            self.recomputed = result.old_logprobs
+        else:
+            assert self.recomputed is not None
+            self.recomputed[rows] = 0.0
+            self.recomputed[rows, :result.first_logprobs.shape[1]] = result.first_logprobs
         self.entropy[rows] = 0.0
         self.entropy[rows, :ent.shape[1]] = ent
 
@@ -508,16 +515,17 @@ class Trainer:
 
     def plan(self, roll: Rollout) -> UpdatePlan:
         """The update's minibatches, drawn before the π_old pass so that pass can skip the
-        rows whose π_old the first minibatch's own forward gives exactly (θ = θ_old there)."""
+        rows whose pass the first minibatch's own forward gives (θ = θ_old there when π_old is
+        this step's weights; else the pass is a measurement, e.g. the async staleness drift)."""
         o = self.cfg.objective
         gen = torch.Generator().manual_seed(self.cfg.seed * 7_919 + self.step)
-        reuse = (self._recompute_old() and self._old_is_current()
+        reuse = (self._recompute_old()
                  and can_reuse_first_forward(self.model, self.dist, self.hooks))
         # One process: the batch may hold fewer groups (dynamic sampling past its cap).
         n = self.cfg.rollout.prompts_per_step * roll.group_size if self.dist.enabled else len(roll)
         return plan_update(n,
                            num_minibatches=o.num_minibatches, epochs=o.epochs, generator=gen,
-                           old_from_first=reuse)
+                           old_from_first=reuse, first_is_old=self._old_is_current())
 
     @torch.no_grad()
     def old_logprobs(self, batch: dict[str, torch.Tensor], rows: torch.Tensor | None = None

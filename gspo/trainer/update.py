@@ -59,13 +59,17 @@ class UpdateBatch:
 class UpdatePlan:
     """The minibatches of each epoch (sorted row indices into the global batch).
 
-    ``old_from_first``: the first minibatch's forward runs at θ = θ_old, so its detached
-    log-probs are π_old for its rows exactly (ratio 1); the π_old pass then skips those rows
-    (:meth:`old_pass_rows`) and :func:`policy_update` supplies them.
+    ``old_from_first``: the first minibatch's forward runs at this step's weights θ, so its
+    detached log-probs are the trainer's pass on θ for its rows; the pass then skips those rows
+    (:meth:`old_pass_rows`) and :func:`policy_update` supplies them. ``first_is_old``: that
+    pass is π_old (θ = θ_old: ratio 1 exactly), so they fill the loss's π_old; else (π_old is
+    an older behaviour policy, the pass only measures against it) they are returned apart, in
+    ``UpdateResult.first_logprobs``.
     """
 
     minibatches: list[list[torch.Tensor]]
     old_from_first: bool = False
+    first_is_old: bool = True
 
     def old_pass_rows(self, n: int) -> torch.Tensor | None:
         """The rows the π_old pass computes: all (None), or those outside the first minibatch."""
@@ -77,12 +81,12 @@ class UpdatePlan:
 
 
 def plan_update(n: int, *, num_minibatches: int, epochs: int, generator: torch.Generator,
-                old_from_first: bool = False) -> UpdatePlan:
+                old_from_first: bool = False, first_is_old: bool = True) -> UpdatePlan:
     """A fresh permutation of the ``n`` rows of the global batch each epoch, split into
     ``num_minibatches`` parts (each sorted)."""
     return UpdatePlan([[mb.sort().values for mb in
                         torch.randperm(n, generator=generator).tensor_split(num_minibatches)]
-                       for _ in range(epochs)], old_from_first)
+                       for _ in range(epochs)], old_from_first, first_is_old)
 
 
 def can_reuse_first_forward(model: Any, dist: Dist, hooks: PolicyHooks) -> bool:
@@ -111,8 +115,10 @@ class UpdateResult:
     ``stats``: one dict per minibatch step taken (global values under ``dist``);
     ``skipped``: updates skipped for a non-finite loss, log-prob or gradient norm;
     ``old_logprobs``: the batch's π_old with the first minibatch's rows filled in (plans with
-    ``old_from_first``; else the input's); ``first_entropy``: those rows' policy entropy
-    ``[n_first, width]`` (None without ``old_from_first``), ``first_rows`` their indices.
+    ``old_from_first`` and ``first_is_old``; else the input's); ``first_entropy``: those rows'
+    policy entropy ``[n_first, width]`` (None without ``old_from_first``), ``first_rows``
+    their indices, ``first_logprobs`` their log-probs at this step's weights where they are not
+    π_old (``first_is_old=False``).
     """
 
     stats: list[dict[str, torch.Tensor]]
@@ -120,6 +126,7 @@ class UpdateResult:
     old_logprobs: torch.Tensor
     first_rows: torch.Tensor | None = None
     first_entropy: torch.Tensor | None = None
+    first_logprobs: torch.Tensor | None = None
     diagnostics: dict[str, float] = field(default_factory=dict)  # whole-step diag/* metrics
 
 
@@ -145,7 +152,8 @@ def policy_update(model: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
         raise ValueError("a plan with old_from_first needs one process")
     n_local = batch.input_ids.shape[0]
     w_global, offset = d.gather(objective.row_weights(batch.response_mask))
-    old = batch.old_logprobs.clone() if plan.old_from_first else batch.old_logprobs
+    old = (batch.old_logprobs.clone() if plan.old_from_first and plan.first_is_old
+           else batch.old_logprobs)
     batch = replace(batch, old_logprobs=old)
     result = UpdateResult([], 0, old)
     counts: list[dict[str, float]] = []
@@ -153,9 +161,10 @@ def policy_update(model: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
     for epoch, minibatches in enumerate(plan.minibatches):
         for k, mb_idx in enumerate(minibatches):
             local, share, empty = _local_rows(mb_idx, offset, n_local, w_global, d)
-            fill_old = plan.old_from_first and epoch == 0 and k == 0
-            stats = _step(model, optimizer, scheduler, batch, local, share, empty, fill_old,
-                          result, objective=objective, temperature=temperature, chunk=chunk,
+            first = plan.old_from_first and epoch == 0 and k == 0
+            stats = _step(model, optimizer, scheduler, batch, local, share, empty,
+                          first and plan.first_is_old, first and not plan.first_is_old, result,
+                          objective=objective, temperature=temperature, chunk=chunk,
                           grad_clip=grad_clip, hooks=hooks, d=d, logprob_fn=logprob_fn,
                           diagnostics=diagnostics)
             if stats is None:
@@ -174,23 +183,28 @@ def policy_update(model: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
 
 
 def _step(model: Any, optimizer: Any, scheduler: Any, batch: UpdateBatch, local: torch.Tensor,
-          share: float, empty: bool, fill_old: bool, result: UpdateResult, *,
+          share: float, empty: bool, fill_old: bool, keep_first: bool, result: UpdateResult, *,
           objective: Objective, temperature: float, chunk: int, grad_clip: float,
           hooks: PolicyHooks, d: Dist, logprob_fn: Callable[..., Any],
           diagnostics: StepDiagnostics | None = None) -> dict[str, torch.Tensor] | None:
-    """One minibatch: forward, loss, backward, AdamW step; its stats, or None if skipped."""
+    """One minibatch: forward, loss, backward, AdamW step; its stats, or None if skipped.
+    ``fill_old`` / ``keep_first``: this forward also gives the trainer's pass for these rows,
+    as their π_old / apart (see :class:`UpdatePlan`)."""
     mb = batch.rows(local)
     width = mb.input_ids.shape[1]
     with hooks.update_forward(model, batch.routing, local, batch.input_ids.shape[1],
                               width) as moe_out:
         logprobs, entropy = d.forward(model, logprob_fn, mb.input_ids, mb.attention_mask,
                                       mb.response_mask, temperature=temperature, chunk=chunk,
-                                      with_entropy=fill_old)
+                                      with_entropy=fill_old or keep_first)
         if fill_old:  # θ = θ_old here: this forward is π_old for these rows
             mb.old_logprobs = logprobs.detach()
             batch.old_logprobs[local, :width] = mb.old_logprobs
             batch.old_logprobs[local, width:] = 0.0
             result.first_rows, result.first_entropy = local, entropy
+        if keep_first:  # this step's θ, not π_old: for the metrics of the trainer's pass
+            result.first_rows, result.first_entropy = local, entropy
+            result.first_logprobs = logprobs.detach()
         loss, stats = objective.loss(logprobs, mb.old_logprobs, mb.advantages, mb.response_mask,
                                      ref_logprobs=mb.ref_logprobs,
                                      rollout_logprobs=mb.rollout_logprobs)

@@ -225,3 +225,52 @@ def test_dropout_keeps_the_full_pi_old_pass():
     assert not can_reuse_first_forward(model, Dist(), moe)  # MoE: π_old routing
     model.config.attention_dropout = 0.1
     assert has_dropout(model) and not can_reuse_first_forward(model, Dist(), NO_MOE)
+
+
+@pytest.mark.parametrize("extra", [("objective.old_logprobs=rollout",),
+                                   ("rollout.async_steps=1",)],
+                         ids=["sync-rollout-pi-old", "async-k1"])
+def test_first_minibatch_forward_as_this_steps_pass_leaves_pi_old_alone(tmp_path, monkeypatch,
+                                                                         extra):
+    """Where the trainer's pass measures rather than gives π_old (the engine's log-probs as
+    π_old on a ``logging.rollout_check_every`` step; the async loop, whose π_old is the older
+    behaviour policy), the first minibatch's forward still supplies the pass's rows at this
+    step's weights, but π_old stays what it was: the same weights bit for bit, and the same
+    metrics of the pass (sampler gap, entropy, staleness drift) as the full pass, which runs
+    on the other rows only."""
+    import gspo.trainer.trainer as trainer_mod
+
+    out = {}
+    for reuse in (True, False):
+        if not reuse:
+            monkeypatch.setattr(trainer_mod, "can_reuse_first_forward", lambda *a: False)
+        t = Trainer(_cfg(tmp_path, f"r{reuse}", "steps=3", "eval_before=false",
+                         "task.eval_size=0", "objective.num_minibatches=3", "optim.lr=1e-2",
+                         "logging.rollout_check_every=1", *extra),
+                    reward_fns=[char_codes]).setup()
+        rows_seen = []
+
+        def spy(b, rows=None, real=t.old_logprobs, seen=rows_seen):
+            seen.append(len(b["input_ids"]) if rows is None else len(rows))
+            return real(b, rows)
+
+        monkeypatch.setattr(t, "old_logprobs", spy)
+        try:
+            t.train()
+        finally:
+            t.cleanup()
+        assert rows_seen == ([16] * 3 if reuse else [24] * 3)  # 24 rows in 3 minibatches
+        out[reuse] = (_weights(t.run_dir, 3), [json.loads(x) for x in
+                                               open(t.run_dir / "metrics.jsonl")
+                                               if "train/loss" in x])
+    for k in out[True][0]:
+        assert torch.equal(out[True][0][k], out[False][0][k]), k
+    keys = ["train/entropy", "rollout/logprob_gap_abs_max"]
+    if "rollout.async_steps=1" in extra:
+        keys += ["async/staleness_drift_abs_max", "async/staleness_drift_mean",
+                 "async/behaviour_gap_abs_mean"]
+        assert out[True][1][-1]["async/staleness_drift_abs_max"] > 1e-3
+    for a, b in zip(out[True][1], out[False][1]):
+        assert a["train/loss"] == b["train/loss"]
+        for key in keys:
+            assert a[key] == pytest.approx(b[key], rel=1e-3, abs=3e-6), key
