@@ -262,7 +262,7 @@ class LoggingConfig:
         1, "with objective.old_logprobs=rollout, still recompute π_old every k steps to log the "
         "rollout-vs-trainer gap and the entropy (0: never, which saves that pass; MoE always "
         "does); with rollout.async_steps > 0 that pass also gives the staleness drift, and is "
-        "~1/5 of a SmolLM2 step on 1 + 1 threads (docs/scaling.md)")
+        "~1/8 of a SmolLM2 step on 1 + 1 threads (docs/scaling.md)")
     zero_signal_warn_steps: int = _f(
         3, "warn once when more than half of the sampled groups had zero reward variance for "
         "this many consecutive steps (0: never)")
