@@ -176,6 +176,19 @@ def test_rollout_logprobs_skip_the_old_pass_except_on_check_steps(tmp_path, monk
     assert all("objective/clip_frac_tokens" in r for r in rows)
 
 
+def _train_counting_pass_rows(t, monkeypatch):
+    """Train ``t``; how many rows each of its trainer passes on this step's weights ran on."""
+    seen = []
+
+    def spy(b, rows=None, real=t.old_logprobs):
+        seen.append(len(b["input_ids"]) if rows is None else len(rows))
+        return real(b, rows)
+
+    monkeypatch.setattr(t, "old_logprobs", spy)
+    t.train()
+    return seen
+
+
 @pytest.mark.parametrize("objective", ["gspo", "grpo"])
 def test_first_minibatch_forward_as_pi_old_gives_the_same_step(tmp_path, monkeypatch, objective):
     """The π_old pass skips the first minibatch's rows and that minibatch's own forward (at
@@ -192,14 +205,7 @@ def test_first_minibatch_forward_as_pi_old_gives_the_same_step(tmp_path, monkeyp
                          "task.eval_size=0", f"objective.name={objective}", *eps,
                          "objective.num_minibatches=3", "optim.lr=1e-3"),
                     reward_fns=[char_codes]).setup()
-        rows_seen = []
-
-        def spy(b, rows=None, real=t.old_logprobs, seen=rows_seen):
-            seen.append(len(b["input_ids"]) if rows is None else len(rows))
-            return real(b, rows)
-
-        monkeypatch.setattr(t, "old_logprobs", spy)
-        t.train()
+        rows_seen = _train_counting_pass_rows(t, monkeypatch)
         assert rows_seen == ([16, 16] if reuse else [24, 24])  # 24 rows in 3 minibatches
         out[reuse] = (_weights(t.run_dir, 2),
                       [json.loads(x) for x in open(t.run_dir / "metrics.jsonl")])
@@ -248,15 +254,8 @@ def test_first_minibatch_forward_as_this_steps_pass_leaves_pi_old_alone(tmp_path
                          "task.eval_size=0", "objective.num_minibatches=3", "optim.lr=1e-2",
                          "logging.rollout_check_every=1", *extra),
                     reward_fns=[char_codes]).setup()
-        rows_seen = []
-
-        def spy(b, rows=None, real=t.old_logprobs, seen=rows_seen):
-            seen.append(len(b["input_ids"]) if rows is None else len(rows))
-            return real(b, rows)
-
-        monkeypatch.setattr(t, "old_logprobs", spy)
         try:
-            t.train()
+            rows_seen = _train_counting_pass_rows(t, monkeypatch)
         finally:
             t.cleanup()
         assert rows_seen == ([16] * 3 if reuse else [24] * 3)  # 24 rows in 3 minibatches
