@@ -231,7 +231,7 @@ def staleness_routing_metrics(behaviour: list[torch.Tensor] | None,
     n = mask.sum().double().cpu()
     if dist is not None and dist.enabled:
         total = dist.all_reduce(torch.cat([shares * n, n.view(1)]))
-        shares, n = total[:2] / total[2].clamp(min=1), total[2]
+        shares = total[:2] / total[2].clamp(min=1)
     return {"async/staleness_routing_change": float(shares[0]),
             "async/staleness_expert_change": float(shares[1])}
 

@@ -162,11 +162,10 @@ def policy_update(model: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
         for k, mb_idx in enumerate(minibatches):
             local, share, empty = _local_rows(mb_idx, offset, n_local, w_global, d)
             first = plan.old_from_first and epoch == 0 and k == 0
-            stats = _step(model, optimizer, scheduler, batch, local, share, empty,
-                          first and plan.first_is_old, first and not plan.first_is_old, result,
-                          objective=objective, temperature=temperature, chunk=chunk,
-                          grad_clip=grad_clip, hooks=hooks, d=d, logprob_fn=logprob_fn,
-                          diagnostics=diagnostics)
+            stats = _step(model, optimizer, scheduler, batch, local, share, empty, first,
+                          plan.first_is_old, result, objective=objective,
+                          temperature=temperature, chunk=chunk, grad_clip=grad_clip,
+                          hooks=hooks, d=d, logprob_fn=logprob_fn, diagnostics=diagnostics)
             if stats is None:
                 result.skipped += 1
                 continue
@@ -183,28 +182,28 @@ def policy_update(model: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
 
 
 def _step(model: Any, optimizer: Any, scheduler: Any, batch: UpdateBatch, local: torch.Tensor,
-          share: float, empty: bool, fill_old: bool, keep_first: bool, result: UpdateResult, *,
+          share: float, empty: bool, first: bool, first_is_old: bool, result: UpdateResult, *,
           objective: Objective, temperature: float, chunk: int, grad_clip: float,
           hooks: PolicyHooks, d: Dist, logprob_fn: Callable[..., Any],
           diagnostics: StepDiagnostics | None = None) -> dict[str, torch.Tensor] | None:
     """One minibatch: forward, loss, backward, AdamW step; its stats, or None if skipped.
-    ``fill_old`` / ``keep_first``: this forward also gives the trainer's pass for these rows,
-    as their π_old / apart (see :class:`UpdatePlan`)."""
+    ``first``: this forward also gives the trainer's pass for these rows: their π_old
+    (``first_is_old``), else returned apart (see :class:`UpdatePlan`)."""
     mb = batch.rows(local)
     width = mb.input_ids.shape[1]
     with hooks.update_forward(model, batch.routing, local, batch.input_ids.shape[1],
                               width) as moe_out:
         logprobs, entropy = d.forward(model, logprob_fn, mb.input_ids, mb.attention_mask,
                                       mb.response_mask, temperature=temperature, chunk=chunk,
-                                      with_entropy=fill_old or keep_first)
-        if fill_old:  # θ = θ_old here: this forward is π_old for these rows
-            mb.old_logprobs = logprobs.detach()
-            batch.old_logprobs[local, :width] = mb.old_logprobs
-            batch.old_logprobs[local, width:] = 0.0
+                                      with_entropy=first)
+        if first:
             result.first_rows, result.first_entropy = local, entropy
-        if keep_first:  # this step's θ, not π_old: for the metrics of the trainer's pass
-            result.first_rows, result.first_entropy = local, entropy
-            result.first_logprobs = logprobs.detach()
+            if first_is_old:  # θ = θ_old here: this forward is π_old for these rows
+                mb.old_logprobs = logprobs.detach()
+                batch.old_logprobs[local, :width] = mb.old_logprobs
+                batch.old_logprobs[local, width:] = 0.0
+            else:  # this step's θ, not π_old: for the metrics of the trainer's pass
+                result.first_logprobs = logprobs.detach()
         loss, stats = objective.loss(logprobs, mb.old_logprobs, mb.advantages, mb.response_mask,
                                      ref_logprobs=mb.ref_logprobs,
                                      rollout_logprobs=mb.rollout_logprobs)
