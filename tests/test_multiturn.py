@@ -235,6 +235,49 @@ def _two_turn_run(tmp_path, name, *extra):
     return trainer, [r for r in rows if "train/loss" in r]
 
 
+def flat_first_prompt(prompts, completions, **_):
+    """No signal in the first prompt's group, some in the others: dynamic sampling drops a group
+    and joins rows from another draw every step."""
+    return [0.0 if p == prompts[0] else float(sum(map(ord, c)) % 7)
+            for p, c in zip(prompts, completions)]
+
+
+def test_dynamic_sampling_trains_multi_turn_rows_on_the_policys_tokens_only(tmp_path,
+                                                                          monkeypatch):
+    """``rollout.dynamic_sampling`` joins groups from several draws; each joined row keeps its
+    observation mask, so the update's response mask covers exactly the policy's tokens (the
+    joined batch once came back without masks: the environment's tokens were trained on)."""
+    seen = []
+    plain = Trainer.update_batch
+
+    def update_batch(self, roll, adv, plan):
+        batch, old = plain(self, roll, adv, plan)
+        seen.append((roll.model_mask, batch.response_mask.sum(-1).tolist()))
+        return batch, old
+    monkeypatch.setattr(Trainer, "update_batch", update_batch)
+    cfg = load_config(None, [
+        "model=tiny:llama", f"output_dir={tmp_path}", "run_name=dyn", "progress=false",
+        "tensorboard=false", "steps=2", "rollout.max_new_tokens=5", "rollout.prompts_per_step=2",
+        "rollout.group_size=4", "rollout.temperature=1.0", "task.eval_size=0",
+        "eval_before=false", "objective.num_minibatches=2", "rollout.max_turns=2",
+        f"rollout.env={__name__}:Scripted", "rollout.dynamic_sampling=true",
+        "logging.samples_every=0"])
+    trainer = Trainer(cfg, reward_fns=[flat_first_prompt]).setup()
+    try:
+        trainer.train()
+    finally:
+        trainer.cleanup()
+    rows = [json.loads(x) for x in open(trainer.run_dir / "metrics.jsonl")
+            if "train/loss" in x]
+    assert all(r["dynamic/extra_batches"] >= 1 for r in rows)  # rows were joined every step
+    for mask, counted in seen:
+        assert mask is not None
+        assert counted == [sum(m) for m in mask]  # the policy's tokens, none of the observation
+        assert any(not all(m) for m in mask)
+    assert all(r["rollout/observation_tokens_mean"] > 0 and r["rollout/turns_mean"] == 2
+               for r in rows)
+
+
 def test_async_steps_run_multi_turn_episodes_in_the_engine_process(tmp_path, monkeypatch):
     """``rollout.async_steps`` with ``rollout.max_turns=2``: the engine process resets each
     row's environment with its example and runs the episodes. With zero staleness (the

@@ -113,13 +113,24 @@ def multi_turn(sample: SampleFn, prompts: list[list[int]], envs: list[Env], *,
             lps[i].append(sub.logprobs[j])
             last[i], truncated[i], turns[i] = list(sub.response_ids[j]), sub.truncated[j], turn
         active = cont
-    model_tokens = [sum(m) for m in mask]
-    extras = {"rollout/turns_mean": sum(turns) / n,
-              "rollout/model_tokens_mean": sum(model_tokens) / n,
-              "rollout/observation_tokens_mean": sum(len(m) - k for m, k in
-                                                     zip(mask, model_tokens)) / n}
+    extras = {"rollout/turns_mean": sum(turns) / n, **episode_metrics(mask, turns=False)}
     return Rollout(roll.prompt_ids, resp, [torch.cat(p) for p in lps], truncated, group_size,
                    extras=extras, model_mask=mask)
+
+
+def episode_metrics(mask: list[list[bool]], *, turns: bool = True) -> dict[str, float]:
+    """Means over rows of a multi-turn batch's ``model_mask``: the policy's tokens, the
+    observations' tokens and (``turns``) the policy's turns, counted as runs of its tokens (an
+    observation always has tokens in the chat template's rendering; one of zero tokens would
+    join two turns into one run)."""
+    n = max(len(mask), 1)
+    model = [sum(m) for m in mask]
+    out = {"rollout/model_tokens_mean": sum(model) / n,
+           "rollout/observation_tokens_mean": sum(len(m) - k for m, k in zip(mask, model)) / n}
+    if turns:
+        runs = [sum(1 for i, x in enumerate(m) if x and (i == 0 or not m[i - 1])) for m in mask]
+        out["rollout/turns_mean"] = sum(runs) / n
+    return out
 
 
 def greedy_sampler(model: Any, *, max_new_tokens: int, eos: list[int], pad_id: int,

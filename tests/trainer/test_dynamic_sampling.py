@@ -77,6 +77,33 @@ def test_collect_keeps_a_full_draw_as_it_is():
     assert got.roll is first.roll and got.rewards is first.rewards
 
 
+def test_joined_draws_keep_each_rows_observation_mask_and_pipeline_fields():
+    """Multi-turn rows carry which tokens the policy sampled; a batch joined from several draws
+    must keep each row's mask (it once came back without any, and the update then trained on
+    the environment's tokens), and the episode metrics describe the joined rows."""
+    def turns_draw(rewards, tag, obs):
+        d = _draw(rewards, tag)
+        n = len(rewards)
+        d.roll.response_ids = [[tag, i] + [9] * obs + [tag] for i in range(n)]
+        d.roll.logprobs = [torch.zeros(3 + obs)] * n
+        d.roll.model_mask = [[True, True] + [False] * obs + [True]] * n
+        d.roll.extras = {"rollout/turns_mean": -1.0}  # the draw's own, not the joined rows'
+        d.roll.versions = [tag] * n
+        d.roll.trainer_logprobs = [torch.full((3 + obs,), float(tag))] * n
+        return d
+
+    first = turns_draw([0, 0, 0, 1], 0, obs=1)  # group 0 flat, group 1 kept
+    got = collect(first, lambda d: turns_draw([1, 0, 1, 1], d, obs=3), prompts_per_step=2,
+                  max_extra_batches=1)
+    assert got.examples == ["01", "10"]
+    assert got.roll.model_mask == [[True, True, False, True]] * 2 + [
+        [True, True, False, False, False, True]] * 2
+    assert got.roll.versions == [0, 0, 1, 1]
+    assert [float(t[0]) for t in got.roll.trainer_logprobs] == [0, 0, 1, 1]
+    assert got.roll.extras == {"rollout/turns_mean": 2.0, "rollout/model_tokens_mean": 3.0,
+                               "rollout/observation_tokens_mean": 2.0}
+
+
 def test_mask_truncated_zeroes_whole_rows():
     mask = torch.ones(3, 4)
     out = mask_truncated(mask, [False, True, False])
