@@ -133,7 +133,8 @@ class RolloutConfig:
     dynamic_sampling: bool = _f(
         False, "DAPO dynamic sampling (arXiv:2503.14476 v1, Sec. 3.2): drop groups whose "
         "rewards are all equal and draw more prompts until prompts_per_step groups carry "
-        "signal (one process only; see gspo.trainer.dynamic_sampling)")
+        "signal (one process only; with rollout.async_steps > 0 the extra draws are sampled "
+        "by the trainer on the step's own weights; see gspo.trainer.dynamic_sampling)")
     dynamic_max_extra_batches: int = _f(
         4, "dynamic_sampling: most extra rollout batches per step; past them the step trains "
         "on the groups with signal it has (logged as dynamic/cap_reached)")
@@ -582,8 +583,9 @@ def validate(cfg: TrainConfig) -> None:
         check_engine_address(address, "rollout.async_address")
     _check(r.async_steps == 0 or r.engine in ("hf", "vllm"),
            f"rollout.async_steps > 0 runs rollout.engine=hf or vllm, not {r.engine}")
-    _check(r.async_steps == 0 or not r.dynamic_sampling,
-           "rollout.async_steps > 0 does not support rollout.dynamic_sampling yet")
+    _check(r.async_steps == 0 or not r.dynamic_sampling or r.engine == "hf",
+           "rollout.dynamic_sampling with rollout.async_steps > 0 samples its extra draws in "
+           f"the trainer process, with rollout.engine=hf only (not {r.engine})")
     _check(o.eps_low >= 0 and o.eps_high >= 0, "objective.eps_low/eps_high must be >= 0")
     _check(o.eps_low < 1, "objective.eps_low must be < 1")
     _check(o.beta >= 0, "objective.beta must be >= 0")

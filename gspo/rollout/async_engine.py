@@ -249,7 +249,7 @@ def decode(d: dict[str, Any]) -> Rollout:
 
 
 @torch.no_grad()
-def _trainer_logprobs(model: Any, roll: Rollout, rc: Recompute
+def trainer_pass(model: Any, roll: Rollout, rc: Recompute
                       ) -> tuple[list[list[float]], list[torch.Tensor] | None]:
     """The trainer's pass on ``roll`` (its response tokens' log-probs per row) and, with
     ``rc.routing``, the experts it chose at every position (pad_batch layout, as the trainer's
@@ -370,7 +370,7 @@ def run_engine(skeleton: bytes, entries: list[_Entry], slots: list[dict[str, tor
                 else:
                     roll = engine_now.generate(req.prompts, group_size=req.group_size,
                                                params=req.params, seeds=req.seeds)
-                tlp, routing = (_trainer_logprobs(models[slot], roll, recompute) if req.recompute
+                tlp, routing = (trainer_pass(models[slot], roll, recompute) if req.recompute
                                 else (None, None))
                 if slot_version(slot, None) != req.version:  # overwritten while sampling
                     raise RuntimeError(f"slot {slot} was overwritten while sampling step "

@@ -166,16 +166,13 @@ class AsyncRollout:
             self._take_one()
         examples, enc = self.ready.pop(step)
         roll = decode(enc)
-        lag = torch.tensor([step - v for v in roll.versions], dtype=torch.float64)
         # time/rollout_s is the trainer's wait for the batch; the engine's own time is apart
         roll.extras = {**roll.extras,  # a multi-turn batch's rollout/turns_mean etc.
                        "time/rollout_engine_s": enc["generate_s"],
                        # an engine's sync of its own copy of the weights (bf16, vLLM), part of
                        # time/rollout_engine_s
                        "async/engine_sync_s": enc.get("sync_s", 0.0),
-                       "async/staleness_mean": float(lag.mean()),
-                       "async/staleness_max": float(lag.max()),
-                       "async/staleness_min": float(lag.min())}
+                       **staleness_metrics(step, roll.versions)}
         return examples, roll
 
     def publish(self, model: Any, version: int) -> float:
@@ -208,6 +205,14 @@ class AsyncRollout:
     def close(self) -> None:
         if self.engine is not None:
             self.engine.close()
+
+
+def staleness_metrics(step: int, versions: list[int]) -> dict[str, float]:
+    """``async/staleness_{mean,max,min}``: how many updates behind ``step`` the rows' policy
+    versions are."""
+    lag = torch.tensor([step - v for v in versions], dtype=torch.float64)
+    return {"async/staleness_mean": float(lag.mean()), "async/staleness_max": float(lag.max()),
+            "async/staleness_min": float(lag.min())}
 
 
 def _row_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

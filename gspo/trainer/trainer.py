@@ -48,13 +48,14 @@ from gspo.rollout import (
     engine_capabilities,
     pad_batch,
 )
-from gspo.rollout.async_engine import Request
+from gspo.rollout.async_engine import Request, trainer_pass
 from gspo.rollout.engine import weights_for_rollout
 from gspo.rollout.multiturn import TurnLoop, engine_sampler
 from gspo.trainer import distributed
 from gspo.trainer.async_rollout import (
     AsyncRollout,
     drift_metrics,
+    staleness_metrics,
     staleness_routing_metrics,
 )
 from gspo.trainer.checkpoint import (
@@ -183,6 +184,7 @@ class Trainer:
         self.ref_model: Any = None
         self.dist: distributed.Dist
         self.engine: Any = None
+        self.engine_current = True  # async + dynamic sampling: self.engine has this step's weights
         self.turns: TurnLoop | None = None  # rollout.max_turns > 1: environment turns
         self.async_rollout: AsyncRollout | None = None  # rollout.async_steps > 0
         self.hooks: Any
@@ -285,7 +287,9 @@ class Trainer:
         if self.dist.enabled and not caps.per_rank:
             raise ConfigError(f"rollout.engine={cfg.rollout.engine} runs in one process only "
                               "for now; use rollout.engine=hf under torchrun")
-        if cfg.rollout.async_steps == 0:  # async: the engine runs in the pipeline's process
+        # async: the engine runs in the pipeline's process; here only for dynamic sampling's
+        # extra draws, which sample this step's weights (see :meth:`rollout`)
+        if cfg.rollout.async_steps == 0 or cfg.rollout.dynamic_sampling:
             self.engine = build_engine(cfg.rollout.engine, self.model, self.tokenizer, opts)
 
     def _choose_passes(self) -> None:
@@ -334,6 +338,10 @@ class Trainer:
         if n > 1 and self.hooks.active:
             raise ConfigError("rollout.async_engines > 1 does not support MoE routing records "
                               "(Routing Replay, moe/* metrics) yet")
+        if cfg.rollout.dynamic_sampling and self.hooks.active:
+            raise ConfigError("rollout.dynamic_sampling with rollout.async_steps > 0 does not "
+                              "support MoE policies yet (their routing records are laid out "
+                              "per batch and do not join)")
         every = cfg.logging.rollout_check_every
         # The engine process runs the trainer's pass on the behaviour weights: π_old for
         # recompute, and for an MoE policy π_old's routing (unless π_old is the proximal policy)
@@ -451,10 +459,17 @@ class Trainer:
         ``group_size`` samples each, from the rollout engine. ``draw``: the how-many-th
         rollout batch of this step (dynamic sampling draws more than one). Async: from the
         pipeline, which drew them earlier (its ``async/*`` timings and staleness in
-        ``Rollout.extras``)."""
-        if self.async_rollout is not None:
+        ``Rollout.extras``); dynamic sampling's extra draws (``draw > 0``) are sampled here, by
+        this process's engine on this step's weights: staleness 0, the rows' version this
+        step, and their ``trainer_logprobs`` left None until :meth:`refill` knows which rows
+        it keeps (on the steps the pipeline's batch carries them)."""
+        if self.async_rollout is not None and draw == 0:
             return self.async_rollout.next(self.step)
         examples, req = self._request(self.step, draw)
+        if self.async_rollout is not None and not self.engine_current:
+            if not self.engine.capabilities.shares_policy_weights:  # e.g. a bf16 copy
+                self.sync()
+            self.engine_current = True
         with weights_for_rollout(self.engine, lambda: self.dist.full_weights(self.model)):
             if self.turns is None:
                 roll = self.engine.generate(req.prompts, group_size=req.group_size,
@@ -462,6 +477,10 @@ class Trainer:
             else:  # observation turns between the policy's (gspo.rollout.multiturn)
                 roll = self.turns.run(engine_sampler(self.engine, req.params), examples,
                                       req.prompts, req.seeds, req.group_size)
+        if self.async_rollout is not None:
+            roll.versions = [self.step] * len(roll)
+            if self.async_rollout.check(self.step):  # as the pipeline's batch of this step
+                roll.trainer_logprobs = [None] * len(roll)  # type: ignore[list-item]
         return examples, roll
 
     def _request(self, step: int, draw: int = 0) -> tuple[list[Any], Request]:
@@ -680,6 +699,7 @@ class Trainer:
     def train_step(self) -> dict[str, float]:
         """One RL step, phase by phase; its metrics."""
         timer = PhaseTimer(self.dist.device)
+        self.engine_current = self.async_rollout is None  # async: synced on its first use
         with timer("rollout"):
             examples, roll = self.rollout()
         with timer("reward"):
@@ -724,7 +744,32 @@ class Trainer:
         got = collect(Draw(examples, roll, rewards), draw, prompts_per_step=cfg.prompts_per_step,
                       max_extra_batches=cfg.dynamic_max_extra_batches,
                       min_rows=self.cfg.objective.num_minibatches)
+        if self.async_rollout is not None and got.roll is not roll:
+            # rows of this step's weights joined the pipeline's: staleness over the rows kept
+            # (the batch's own episode metrics, recomputed for them, stay as they are)
+            got.roll.extras = {**roll.extras, **staleness_metrics(self.step, got.roll.versions),
+                               **got.roll.extras}
+            with timer("old_logprobs"):
+                self._behaviour_pass(got.roll)
         return got.examples, got.roll, got.rewards, got.metrics
+
+    def _behaviour_pass(self, roll: Rollout) -> None:
+        """The trainer's log-prob pass on the behaviour weights for the rows of an extra draw
+        kept (their ``trainer_logprobs`` None): this step's weights, so the pass the engine
+        process runs on the pipeline's rows (:func:`gspo.rollout.async_engine.trainer_pass`),
+        run here."""
+        lps = roll.trainer_logprobs
+        todo = [] if lps is None else [i for i, lp in enumerate(lps) if lp is None]
+        if not todo:
+            return
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            rows, _ = trainer_pass(self.model, roll.select(todo), self.async_rollout.recompute)
+        finally:
+            self.model.train(was_training)
+        for i, lp in zip(todo, rows):
+            lps[i] = torch.tensor(lp, dtype=torch.float32)
 
     # ------------------------------------------------------------------ the loop
     def evaluate(self) -> dict[str, float]:

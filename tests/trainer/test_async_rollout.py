@@ -88,6 +88,17 @@ def test_config_errors():
         load_config(None, ["rollout.async_steps=1", "rollout.async_address=host:1"])
     with pytest.raises(ConfigError, match="async_engines is used only"):
         load_config(None, ["rollout.async_engines=2"])
+    dyn = ["rollout.async_steps=1", "rollout.dynamic_sampling=true"]
+    load_config(None, dyn)
+    with pytest.raises(ConfigError, match="extra draws in the trainer process, with "
+                                          r"rollout\.engine=hf only \(not vllm\)"):
+        load_config(None, [*dyn, "rollout.engine=vllm"])
+
+
+def test_dynamic_sampling_with_an_moe_policy_is_refused_before_any_engine_starts(tmp_path):
+    with pytest.raises(ConfigError, match="does not support MoE policies yet"):
+        Trainer(_cfg(tmp_path, "moe", "model=tiny:qwen3_moe", "rollout.async_steps=1",
+                     "rollout.dynamic_sampling=true")).setup()
 
 
 def test_engine_counts_are_checked_against_addresses_and_prompts(tmp_path):
@@ -373,6 +384,73 @@ def test_a_lora_async_run_resumes_bit_for_bit(tmp_path):
     _assert_same_run(whole, resumed, step=3)
 
 
+@pytest.mark.slow
+def test_an_async_run_with_dynamic_sampling_resumes_bit_for_bit(tmp_path):
+    """k = 1 with extra draws every step, cut after its step-2 checkpoint (the in-flight
+    batch, the task's stream after the step's extra draws) resumes to the uninterrupted run's
+    weights and losses bit for bit."""
+    import shutil
+
+    extra = ["steps=3", "rollout.dynamic_sampling=true", "rollout.async_steps=1",
+             "save_every=1"]
+    whole = _trained(_cfg(tmp_path, "whole", *extra), reward=flat_first_group)
+    assert all(r["dynamic/extra_batches"] >= 1 for r in _rows(whole))
+    crashed = tmp_path / "crashed"
+    shutil.copytree(whole.run_dir, crashed)
+    shutil.rmtree(crashed / "checkpoints" / "step_000003")
+    (crashed / "checkpoints" / "latest").write_text("step_000002")
+    lines = (crashed / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (crashed / "metrics.jsonl").write_text("".join(lines[:2]))
+    resumed = _trained(_cfg(tmp_path, "crashed", *extra, f"resume={crashed}"),
+                       reward=flat_first_group)
+    _assert_same_run(whole, resumed, step=3)
+
+
+def flat_first_group(prompts, completions, **_):
+    """No reward variance in a batch's first group, char codes elsewhere: dynamic sampling
+    drops one group of every draw and draws again."""
+    return [0.0 if p == prompts[0] else float(sum(map(ord, c)) % 97)
+            for p, c in zip(prompts, completions)]
+
+
+def test_dynamic_sampling_draws_its_extra_groups_on_the_steps_own_weights(tmp_path,
+                                                                        monkeypatch):
+    """``rollout.dynamic_sampling`` with ``async_steps``: the pipeline's batch comes from the
+    engine process, the extra draws from this process's engine on this step's weights. At
+    k = 0 the run is the synchronous loop's bit for bit (extra draws, joined rows and all);
+    at k = 1 the rows kept from extra draws have staleness 0 beside the pipeline's 1, and
+    their trainer pass (π_old for recompute) agrees with the engine that sampled them."""
+    dyn = ["steps=3", "rollout.dynamic_sampling=true", "objective.old_logprobs=rollout",
+           "logging.rollout_check_every=0"]
+    sync = _trained(_cfg(tmp_path, "sync", *dyn), reward=flat_first_group)
+    monkeypatch.setattr(Trainer, "_async_rollout", lambda self, k: self._pipeline(0))
+    pipe = _trained(_cfg(tmp_path, "pipe", *dyn), reward=flat_first_group)
+    monkeypatch.undo()
+    _assert_same_run(sync, pipe, step=3)
+    rows = _rows(pipe)
+    assert all(r["dynamic/extra_batches"] >= 1 for r in rows)
+    assert [r["dynamic/groups_kept"] for r in rows] == [r["dynamic/groups_kept"]
+                                                         for r in _rows(sync)]
+
+    rows = _rows(_trained(_cfg(tmp_path, "k1", "steps=3", "rollout.dynamic_sampling=true",
+                               "rollout.async_steps=1", "objective.old_logprobs=recompute"),
+                          reward=flat_first_group))
+    assert all(r["dynamic/extra_batches"] >= 1 and r["dynamic/groups_kept"] == 2 for r in rows)
+    assert [r["async/staleness_max"] for r in rows] == [0, 1, 1]
+    assert [r["async/staleness_min"] for r in rows] == [0, 0, 0]  # the extra draw's rows
+    assert rows[-1]["async/staleness_mean"] == 0.5  # one group of each
+    for r in rows:  # every row's behaviour pass is the trainer's on the weights that sampled it
+        assert r["async/engine_mismatch_abs_max"] < 3e-5
+        assert r["time/rollout_engine_s"] > 0  # the pipeline's timings survive the join
+    # an engine with its own bf16 copy here too: synced to this step's weights before it
+    # samples (a copy left on the first weights would be ~0.1 off by step 3)
+    rows = _rows(_trained(_cfg(tmp_path, "k1-bf16", "steps=3", "rollout.dynamic_sampling=true",
+                               "rollout.async_steps=1", "rollout.precision=bf16",
+                               "logging.rollout_check_every=1"), reward=flat_first_group))
+    assert [r["async/staleness_min"] for r in rows] == [0, 0, 0]
+    assert all(r["async/engine_mismatch_abs_max"] < 3e-3 for r in rows)
+
+
 def _sync_and_zero_staleness_pipeline(tmp_path, monkeypatch, *extra):
     """3 steps of the synchronous loop and of the engine-process pipeline at k = 0 (not
     reachable from the config, which runs the plain loop then); asserts equal weights and
@@ -385,8 +463,8 @@ def _sync_and_zero_staleness_pipeline(tmp_path, monkeypatch, *extra):
     return _rows(sync), _rows(pipe)
 
 
-def _trained(cfg):
-    trainer = Trainer(cfg, reward_fns=[char_codes]).setup()
+def _trained(cfg, reward=char_codes):
+    trainer = Trainer(cfg, reward_fns=[reward]).setup()
     try:
         trainer.train()
     finally:
