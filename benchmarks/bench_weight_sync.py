@@ -11,7 +11,13 @@ Two transports of ``rollout.async_steps`` on the same model, publishes interleav
 Both engines sit idle (no batch is sampled), so only the publish is timed. The trainer's side
 runs with ``--threads`` torch threads; each engine process with one.
 
+``--lora R``: the policy wrapped in a LoRA adapter of rank R. Each transport then runs twice:
+as gspo publishes (a slot that holds the frozen base weights gets only the adapter) and with
+``whole_publish`` (the whole policy every time, as before adapter-only publishing); four arms,
+interleaved.
+
     HF_HUB_OFFLINE=1 python -m benchmarks.bench_weight_sync [--model smollm2-135m-instruct]
+    HF_HUB_OFFLINE=1 python -m benchmarks.bench_weight_sync --lora 16 --tag lora
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=10, help="publishes per transport")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--tag", default="")
+    p.add_argument("--lora", type=int, default=0, help="LoRA rank (0: the policy as it is)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -41,36 +48,57 @@ def main() -> None:
     from gspo.rollout.remote_engine import RemoteEngine
 
     model, tok = load_model(args.model)
+    if args.lora:
+        from gspo.config import LoRAConfig
+        from gspo.models.lora import apply_lora
+
+        model = apply_lora(model, LoRAConfig(r=args.lora, alpha=2 * args.lora))
     common = {"engine": "hf", "opts": EngineOptions(), "steps_ahead": 1, "threads": 1,
               "recompute": Recompute(token_logprobs, 1.0, 256, 0)}
     address = local_address()
-    server = subprocess.Popen([sys.executable, "-m", "gspo", "engine", address])
+    servers = [subprocess.Popen([sys.executable, "-m", "gspo", "engine", address])]
     engines = {"shm": AsyncEngine(model, tok, **common),
                "broadcast": RemoteEngine(model, tok, address=address, **common)}
+    if args.lora:
+        address = local_address()
+        servers.append(subprocess.Popen([sys.executable, "-m", "gspo", "engine", address]))
+        engines["shm-whole"] = AsyncEngine(model, tok, **common, whole_publish=True)
+        engines["broadcast-whole"] = RemoteEngine(model, tok, address=address, **common,
+                                                  whole_publish=True)
     times: dict[str, list[float]] = {k: [] for k in engines}
+    sent: dict[str, list[int]] = {k: [] for k in engines}
+    trained = [p for p in model.parameters() if p.requires_grad]
     try:
-        for version, arm in enumerate(abba(list(engines), args.reps), start=1):
+        for eng in engines.values():  # every slot filled once: what follows is steady state
+            eng.publish(model, 1)
+        for version, arm in enumerate(abba(list(engines), args.reps), start=2):
             with torch.no_grad():  # a new version's weights, as after an update
-                next(model.parameters()).add_(1e-6)
+                trained[0].add_(1e-6)
             start = time.perf_counter()
             engines[arm].publish(model, version)
             times[arm].append(time.perf_counter() - start)
+            sent[arm].append(engines[arm].last_publish_bytes)
     finally:
         for eng in engines.values():
             eng.close()
-        server.wait(timeout=60)
+        for server in servers:
+            server.wait(timeout=60)
     nbytes = engines["shm"].bytes_per_slot
-    rows = [f"| {arm} | {args.threads} + 1 | {len(ts)} | {fmt(median(ts), 3)} | "
-            f"{fmt(min(ts), 3)} | {fmt(nbytes / median(ts) / 1e9, 1)} |"
+    rows = [f"| {arm} | {args.threads} + 1 | {len(ts)} | {fmt(median(ts), 4)} | "
+            f"{fmt(min(ts), 4)} | {median(sent[arm]) / 2**20:.1f} | "
+            f"{fmt(median(sent[arm]) / median(ts) / 1e9, 1)} |"
             for arm, ts in times.items()]
     info = machine()
-    header = (f"Weight publish per update, {args.model} ({nbytes / 2**20:.0f} MiB), "
+    what = f" with a LoRA adapter of rank {args.lora}" if args.lora else ""
+    header = (f"Weight publish per update, {args.model}{what} ({nbytes / 2**20:.0f} MiB), "
               f"{info['cpu']}, {info['time']}, trainer threads {args.threads} + one per "
-              f"engine process, publishes interleaved (A B B A).\n\n"
-              "| transport | threads (trainer + engine) | publishes | median s | min s | GB/s |\n"
-              "|---|---|---|---|---|---|")
+              f"engine process, publishes interleaved (A B B A), after one untimed publish "
+              f"into each slot (a slot's first is always of the whole policy).\n\n"
+              "| transport | threads (trainer + engine) | publishes | median s | min s | "
+              "MiB sent (median) | GB/s |\n|---|---|---|---|---|---|---|")
     path = write_result(result_name("weight_sync", args.model, args.tag),
-                        {"machine": info, "bytes": nbytes, "seconds": times}, header, rows)
+                        {"machine": info, "bytes": nbytes, "seconds": times,
+                         "bytes_sent": sent, "lora": args.lora}, header, rows)
     print(path.with_suffix(".md").read_text())
 
 

@@ -22,6 +22,10 @@ copy per dtype) and the engine process keeps one model on the device, itself vie
 flat device buffer per dtype: before a batch from another version it copies that slot in,
 one host-to-device copy per dtype.
 
+A LoRA policy's base weights never change: each slot gets the whole policy the first time it
+is filled and, after that, only the tensors an update can change (:func:`changing`: the
+adapter), so a publish copies megabytes where the whole policy is gigabytes.
+
 An engine that samples from the module it is given (``shares_policy_weights``: ``hf`` at
 fp32) samples each slot's model as it is. One with its own copy of the weights (``hf`` at
 ``rollout.precision=bf16``, ``vllm``) is started once in the engine process and synced from a
@@ -46,6 +50,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+from gspo.models.lora import is_peft
 from gspo.models.moe import capture_routing
 from gspo.rollout.batch import Rollout, pad_batch, share
 from gspo.rollout.engine import EngineOptions, build_engine, engine_capabilities
@@ -131,6 +136,41 @@ def _copy_flat(slot: dict[str, torch.Tensor], entries: list[_Entry], unique: lis
     for key, buf in slot.items():
         parts = [srcs[i].detach().reshape(-1) for i in unique if entries[i].dtype == key]
         buf.copy_(torch.cat(parts))
+
+
+def pack(entries: list[_Entry], only: list[int], model: torch.nn.Module,
+         out: dict[str, torch.Tensor]) -> None:
+    """``model``'s tensors of ``entries[i]``, ``i`` in ``only``, back to back in one buffer per
+    dtype (``out``, sized by :func:`packed_sizes`): what a publish of only those sends."""
+    srcs = [t for *_, t in _named_tensors(model)]
+    for key, buf in out.items():
+        buf.copy_(torch.cat([srcs[i].detach().reshape(-1) for i in only
+                             if entries[i].dtype == key]))
+
+
+def unpack(entries: list[_Entry], only: list[int], packed: dict[str, torch.Tensor],
+           slot: dict[str, torch.Tensor]) -> None:
+    """Write :func:`pack`'s buffers into their tensors' places in ``slot``."""
+    views = _views(entries, slot)
+    at = dict.fromkeys(packed, 0)
+    for i in only:
+        key, n = entries[i].dtype, _numel(entries[i].shape)
+        views[i].copy_(packed[key][at[key]:at[key] + n].view(entries[i].shape))
+        at[key] += n
+
+
+def packed_sizes(entries: list[_Entry], only: list[int]) -> dict[str, int]:
+    """Elements per dtype of the tensors of ``entries[i]``, ``i`` in ``only``."""
+    sizes: dict[str, int] = {}
+    for i in only:
+        sizes[entries[i].dtype] = sizes.get(entries[i].dtype, 0) + _numel(entries[i].shape)
+    return sizes
+
+
+def entry_bytes(entries: list[_Entry], idx: list[int]) -> int:
+    """Bytes of the tensors of ``entries[i]`` for ``i`` in ``idx``."""
+    return sum(_numel(entries[i].shape) * getattr(torch, entries[i].dtype).itemsize
+               for i in idx)
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -393,15 +433,32 @@ def _engine_main(skeleton: bytes, entries: list[_Entry], slots: list[dict[str, t
 
 
 def fill_slot(slot: dict[str, torch.Tensor], entries: list[_Entry], unique: list[int],
-              model: torch.nn.Module) -> None:
+              model: torch.nn.Module, *, only: list[int] | None = None) -> None:
     """Copy ``model``'s weights into ``slot`` (``unique``: the first entry of each distinct
-    tensor, so tied ones are copied once)."""
+    tensor, so tied ones are copied once); ``only``: just those entries (a subset of
+    ``unique``, e.g. :func:`changing`), the rest of the slot left as it is."""
     srcs = [t for *_, t in _named_tensors(model)]
-    if all(srcs[i].device.type == "cpu" for i in unique):
+    picked = unique if only is None else only
+    if all(srcs[i].device.type == "cpu" for i in picked):
         views = _views(entries, slot)
-        torch._foreach_copy_([views[i] for i in unique], [srcs[i].detach() for i in unique])
-    else:  # a GPU policy: one device-to-host copy per dtype
+        torch._foreach_copy_([views[i] for i in picked], [srcs[i].detach() for i in picked])
+    elif only is None:  # a GPU policy: one device-to-host copy per dtype
         _copy_flat(slot, entries, unique, srcs)
+    else:  # a few tensors (an adapter): one copy each
+        views = _views(entries, slot)
+        for i in picked:
+            views[i].copy_(srcs[i].detach())
+
+
+def changing(model: torch.nn.Module, unique: list[int]) -> list[int] | None:
+    """The entries of ``unique`` an update can change: for a PEFT (LoRA) policy its trainable
+    parameters, the adapter (the base weights are frozen); None for any other policy: all of
+    them (a buffer may be updated outside autograd, so "trainable" is not taken to mean "all
+    that changes" there)."""
+    if not is_peft(model):
+        return None
+    named = _named_tensors(model)
+    return [i for i in unique if named[i][2] and named[i][3].requires_grad]
 
 
 def distinct(entries: list[_Entry]) -> list[int]:
@@ -418,13 +475,19 @@ class AsyncEngine:
     def __init__(self, model: torch.nn.Module, tokenizer: Any, *, engine: str,
                  opts: EngineOptions, steps_ahead: int, threads: int, recompute: Recompute,
                  version: int = 0, startup_timeout_s: float = 600.0,
-                 device: torch.device | None = None, turns: Any = None) -> None:
+                 device: torch.device | None = None, turns: Any = None,
+                 whole_publish: bool = False) -> None:
+        """``whole_publish``: copy the whole policy at every publish, also for a LoRA policy
+        (to measure what publishing only the adapter saves)."""
         self.entries, sizes = _layout(model)
         self._unique = distinct(self.entries)  # tied tensors are copied once
+        self._changing = None if whole_publish else changing(model, self._unique)
         self.slots = [{k: torch.empty(n, dtype=getattr(torch, k)).share_memory_()
                        for k, n in sizes.items()} for _ in range(steps_ahead + 1)]
+        self._filled = [False] * len(self.slots)  # holds the whole policy of some version
         self.slot_versions = torch.full((len(self.slots),), -1, dtype=torch.long).share_memory_()
         self.bytes_per_slot = sum(t.numel() * t.element_size() for t in self.slots[0].values())
+        self.last_publish_bytes = 0
         self.publish(model, version)
         ctx = mp.get_context("spawn")  # fork would copy this process's threads and locks
         self.requests, self.results = ctx.Queue(), ctx.Queue()
@@ -440,11 +503,16 @@ class AsyncEngine:
 
     @torch.no_grad()
     def publish(self, model: torch.nn.Module, version: int) -> float:
-        """Copy ``model``'s weights into version ``version``'s slot; the seconds it took."""
+        """Copy ``model``'s weights into version ``version``'s slot (after its first fill, only
+        the tensors that can change); the seconds it took."""
         start = time.perf_counter()
         slot = version % len(self.slots)
         self.slot_versions[slot] = -1  # a batch that reads it now fails its check
-        fill_slot(self.slots[slot], self.entries, self._unique, model)
+        only = self._changing if self._filled[slot] else None  # None: the whole policy
+        fill_slot(self.slots[slot], self.entries, self._unique, model, only=only)
+        self._filled[slot] = True
+        self.last_publish_bytes = entry_bytes(self.entries, self._unique if only is None
+                                              else only)
         self.slot_versions[slot] = version
         return time.perf_counter() - start
 

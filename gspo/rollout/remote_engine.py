@@ -17,7 +17,9 @@ and links to an engine of its own, at its own address. The two groups:
   the trainer trains while a request is in flight and the engine samples on while a batch
   waits to be taken.
 - **weights** (a second group): after every update the trainer broadcasts a header (the
-  version) and then one flat buffer per dtype, its policy copied into one send buffer. The
+  version, and whether the whole policy follows) and then one flat buffer per dtype, its
+  policy copied into one send buffer; for a LoRA policy whose slot on the engine already holds
+  the base weights, only the adapter's tensors, packed the same way. The
   engine keeps the ``k + 1`` slots in its own memory and a thread that waits in that broadcast
   and fills slot ``version % (k + 1)``. The argument of :mod:`gspo.rollout.async_engine` for
   why ``k + 1`` slots need no lock holds unchanged: the trainer publishes version ``v`` only
@@ -50,9 +52,14 @@ from gspo.rollout.async_engine import (
     Request,
     _layout,
     _skeleton,
+    changing,
     distinct,
+    entry_bytes,
     fill_slot,
+    pack,
+    packed_sizes,
     run_engine,
+    unpack,
 )
 from gspo.rollout.engine import EngineOptions
 
@@ -133,20 +140,29 @@ class RemoteEngine:
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, *, address: str, engine: str,
                  opts: EngineOptions, steps_ahead: int, threads: int, recompute: Recompute,
-                 version: int = 0, timeout_s: float = 1800.0, turns: Any = None) -> None:
+                 version: int = 0, timeout_s: float = 1800.0, turns: Any = None,
+                 whole_publish: bool = False) -> None:
+        """``whole_publish``: send the whole policy at every publish, also for a LoRA policy
+        (to measure what sending only the adapter saves)."""
         group, self.weights = _join(address, TRAINER, timeout_s)
         self.closed = False
         try:
             self.messages = _Messages(group, ENGINE)
             self.entries, sizes = _layout(model)
             self._unique = distinct(self.entries)
+            self._changing = None if whole_publish else changing(model, self._unique)
+            self._filled = [False] * (steps_ahead + 1)  # the engine's slot holds a whole policy
             self.keys = sorted(sizes)  # both ends send and receive the dtypes in this order
             self.buffer = {k: torch.empty(n, dtype=getattr(torch, k)) for k, n in sizes.items()}
+            self.small = {k: torch.empty(n, dtype=getattr(torch, k)) for k, n in sorted(
+                packed_sizes(self.entries, self._changing or []).items())}
             self.bytes_per_slot = sum(t.numel() * t.element_size() for t in self.buffer.values())
+            self.last_publish_bytes = 0
             self.messages.send({"skeleton": _skeleton(model), "entries": self.entries,
                                 "sizes": sizes, "slots": steps_ahead + 1, "tokenizer": tokenizer,
                                 "engine": engine, "opts": opts, "threads": threads,
-                                "recompute": recompute, "turns": turns})
+                                "recompute": recompute, "turns": turns,
+                                "changing": self._changing})
             self.publish(model, version)
             kind, payload = self.messages.recv()
             if kind != "ready":
@@ -157,12 +173,23 @@ class RemoteEngine:
 
     @torch.no_grad()
     def publish(self, model: torch.nn.Module, version: int) -> float:
-        """Broadcast ``model``'s weights as version ``version``; the seconds it took."""
+        """Broadcast ``model``'s weights as version ``version`` (once the engine's slot holds a
+        whole policy, only the tensors that can change); the seconds it took."""
         start = time.perf_counter()
-        fill_slot(self.buffer, self.entries, self._unique, model)
-        _broadcast(self.weights, torch.tensor([version]))
-        for k in self.keys:
-            _broadcast(self.weights, self.buffer[k])
+        slot = version % len(self._filled)
+        whole = self._changing is None or not self._filled[slot]
+        _broadcast(self.weights, torch.tensor([version, int(whole)]))
+        if whole:
+            fill_slot(self.buffer, self.entries, self._unique, model)
+            for k in self.keys:
+                _broadcast(self.weights, self.buffer[k])
+        else:
+            pack(self.entries, self._changing, model, self.small)
+            for buf in self.small.values():
+                _broadcast(self.weights, buf)
+        self._filled[slot] = True
+        self.last_publish_bytes = entry_bytes(self.entries, self._unique if whole
+                                              else self._changing)
         return time.perf_counter() - start
 
     def submit(self, req: Request) -> None:
@@ -182,7 +209,7 @@ class RemoteEngine:
         self.closed = True
         try:
             self.messages.send(None)
-            _broadcast(self.weights, torch.tensor([STOP]))
+            _broadcast(self.weights, torch.tensor([STOP, 0]))
             self.messages.flush()
         except RuntimeError:
             pass
@@ -191,28 +218,38 @@ class RemoteEngine:
 class _Slots:
     """The engine's ``k + 1`` weight slots and the thread that receives versions into them."""
 
-    def __init__(self, group: Any, sizes: dict[str, int], n: int, timeout_s: float) -> None:
+    def __init__(self, group: Any, sizes: dict[str, int], n: int, timeout_s: float,
+                 entries: list[Any], changing: list[int] | None) -> None:
         self.group, self.timeout_s = group, timeout_s
         self.slots = [{k: torch.empty(m, dtype=getattr(torch, k)) for k, m in sizes.items()}
                       for _ in range(n)]
         self.keys = sorted(sizes)
+        self.entries, self.changing = entries, changing
+        self.small = {k: torch.empty(m, dtype=getattr(torch, k)) for k, m in sorted(
+            packed_sizes(entries, changing or []).items())}
         self.versions = [-1] * n
         self.cond = threading.Condition()
         self.thread = threading.Thread(target=self._receive, name="gspo-weights", daemon=True)
         self.thread.start()
 
     def _receive(self) -> None:
-        header = torch.zeros(1, dtype=torch.long)
+        header = torch.zeros(2, dtype=torch.long)
         while True:
             _broadcast(self.group, header)
-            version = int(header)
+            version, whole = int(header[0]), bool(header[1])
             if version == STOP:
                 return
             slot = version % len(self.slots)
             with self.cond:
                 self.versions[slot] = -1
-            for k in self.keys:
-                _broadcast(self.group, self.slots[slot][k])
+            if whole:
+                for k in self.keys:
+                    _broadcast(self.group, self.slots[slot][k])
+            else:  # the tensors that can change; the slot holds the frozen rest already
+                assert self.changing is not None
+                for buf in self.small.values():
+                    _broadcast(self.group, buf)
+                unpack(self.entries, self.changing, self.small, self.slots[slot])
             with self.cond:
                 self.versions[slot] = version
                 self.cond.notify_all()
@@ -233,7 +270,8 @@ def serve(address: str, *, device: str = "cpu", timeout_s: float = 1800.0) -> No
     group, weights = _join(address, ENGINE, timeout_s)
     messages = _Messages(group, TRAINER)
     setup = messages.recv()
-    slots = _Slots(weights, setup["sizes"], setup["slots"], timeout_s)
+    slots = _Slots(weights, setup["sizes"], setup["slots"], timeout_s, setup["entries"],
+                   setup.get("changing"))
     run_engine(setup["skeleton"], setup["entries"], slots.slots, slots.version,
                setup["tokenizer"], setup["engine"], setup["opts"], setup["threads"],
                setup["recompute"], messages.recv,

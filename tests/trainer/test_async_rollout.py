@@ -145,6 +145,54 @@ def test_a_slot_rebuilds_the_policy_exactly_and_follows_publish():
     assert copy.lm_head.weight.data_ptr() == copy.model.embed_tokens.weight.data_ptr()
 
 
+def test_a_lora_publish_after_the_first_copies_only_the_adapter():
+    """A slot that holds a LoRA policy's base weights gets only the adapter's tensors (the
+    trainable ones) on later publishes, in place or packed for the broadcast; a policy without
+    an adapter is copied whole."""
+    from gspo.config import LoRAConfig
+    from gspo.models.lora import apply_lora
+    from gspo.rollout.async_engine import (
+        changing,
+        distinct,
+        entry_bytes,
+        fill_slot,
+        pack,
+        packed_sizes,
+        unpack,
+    )
+
+    plain, _ = load_model("tiny:llama", seed=0)
+    entries, _ = _layout(plain)
+    assert changing(plain, distinct(entries)) is None
+    model = apply_lora(plain, LoRAConfig(r=4, alpha=8))
+    entries, sizes = _layout(model)
+    unique = distinct(entries)
+    only = changing(model, unique)
+    names = [f"{e.module}.{e.attr}" for e in entries]
+    assert only and all("lora_" in names[i] for i in only)
+    assert {names[i] for i in only} == {n for n, p in model.named_parameters() if p.requires_grad}
+    assert entry_bytes(entries, only) < entry_bytes(entries, unique) / 10
+    slot = {k: torch.empty(n, dtype=getattr(torch, k)) for k, n in sizes.items()}
+    fill_slot(slot, entries, unique, model)
+    base = next(i for i in unique if "lora_" not in names[i] and entries[i].is_param)
+    src = dict(zip(names, (t for *_, t in _named_tensors(model))))
+    before = src[names[base]].detach().clone()
+    with torch.no_grad():  # an update moves the adapter; the frozen base never moves (here it
+        for i in only:     # does, to show the publish leaves it alone)
+            src[names[i]].add_(0.25)
+        src[names[base]].add_(1.0)
+    packed = {k: torch.empty(n, dtype=getattr(torch, k))
+              for k, n in packed_sizes(entries, only).items()}
+    received = {k: v.clone() for k, v in slot.items()}
+    pack(entries, only, model, packed)
+    unpack(entries, only, packed, received)  # what the engine's receiving thread does
+    fill_slot(slot, entries, unique, model, only=only)
+    for got in (slot, received):
+        views = _views(entries, got)
+        assert all(torch.equal(views[i], src[names[i]]) for i in only)
+        assert torch.equal(views[base], before)
+
+
 class InlineEngine:
     """AsyncEngine's contract in this process: one model per slot, batches on take()."""
 
@@ -569,14 +617,19 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
-def test_an_engine_started_elsewhere_gives_the_local_engines_run_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("policy", ["full", "lora"])
+def test_an_engine_started_elsewhere_gives_the_local_engines_run_bit_for_bit(tmp_path, policy):
     """`gspo engine ADDRESS` in another process (standing in for an inference machine): the
     weights go by torch.distributed broadcast, requests and batches over the same link, and
-    k = 2 trains to the weights of the local engine process exactly, staleness included."""
+    k = 2 trains to the weights of the local engine process exactly, staleness included. A
+    LoRA policy at k = 1: from version 2 on, a slot the engine filled before gets only the
+    adapter (step 4 samples from one)."""
     import subprocess
     import sys
 
-    extra = ["steps=4", "rollout.async_steps=2", "logging.rollout_check_every=1"]
+    k = 2 if policy == "full" else 1
+    extra = ["steps=4", f"rollout.async_steps={k}", "logging.rollout_check_every=1",
+             *(["lora.r=4"] if policy == "lora" else [])]
     local = _trained(_cfg(tmp_path, "local", *extra))
     address = f"tcp://127.0.0.1:{_free_port()}"
     engine = subprocess.Popen([sys.executable, "-m", "gspo", "engine", address,
@@ -588,7 +641,7 @@ def test_an_engine_started_elsewhere_gives_the_local_engines_run_bit_for_bit(tmp
         engine.kill()
     _assert_same_run(local, remote, step=4)
     rows_remote = _rows(remote)
-    assert [r["async/staleness_max"] for r in rows_remote] == [0, 1, 2, 2]
+    assert [r["async/staleness_max"] for r in rows_remote] == [min(t, k) for t in range(4)]
     assert all(r["async/engine_mismatch_abs_max"] < 3e-5 for r in rows_remote)
     assert all(r["time/weight_sync_s"] > 0 for r in rows_remote[:-1])
 
