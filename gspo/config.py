@@ -638,9 +638,9 @@ def validate(cfg: TrainConfig) -> None:
     _check(lo.r >= 0, "lora.r must be >= 0")
     _check(lo.alpha > 0 and 0 <= lo.dropout < 1, "lora.alpha must be > 0, lora.dropout in [0, 1)")
     _check(bool(lo.target_modules), "lora.target_modules must not be empty")
-    _check(lo.r == 0 or r.engine == "hf",
-           f"lora.r > 0 needs rollout.engine=hf (syncing LoRA weights into {r.engine} is not "
-           "implemented)")
+    _check(lo.r == 0 or r.engine in ("hf", "vllm"),
+           f"lora.r > 0 needs rollout.engine=hf or vllm (syncing LoRA weights into {r.engine} "
+           "is not implemented)")
     _check(cfg.logging.samples_every >= 0, "logging.samples_every must be >= 0")
     _check(cfg.logging.drift_every >= 0, "logging.drift_every must be >= 0")
     _check(0 <= cfg.reward.overlong_buffer <= r.max_new_tokens,

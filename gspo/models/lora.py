@@ -9,6 +9,7 @@ only (``adapter_model.safetensors`` + ``adapter_config.json``); ``gspo export``
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,31 @@ def apply_lora(model: Any, cfg: Any, *, adapter_dir: str | Path | None = None) -
         return get_peft_model(model, lora)
     except ValueError as e:  # e.g. no module matches target_modules
         raise ModelError(f"lora: {str(e).strip().splitlines()[0]}") from None
+
+
+@torch.no_grad()
+def merged_weights(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, tensor) of a LoRA policy's weights with the adapter folded in, as
+    ``merge_and_unload`` would leave them (each adapted weight ``W + ΔW``, ``ΔW`` PEFT's own
+    ``get_delta_weight``), computed out of place: the policy keeps its own weights. For an
+    engine that holds plain weights (vLLM)."""
+    base = model.get_base_model()
+    modules = dict(base.named_modules())
+    for name, t in base.state_dict().items():
+        if ".lora_" in name:
+            continue
+        if ".modules_to_save." in name or ".original_module." in name:
+            raise NotImplementedError(f"merged_weights: {name}: PEFT modules_to_save are not "
+                                      "folded in")
+        owner, _, attr = name.rpartition(".")
+        if owner.endswith(".base_layer"):
+            owner = owner.removesuffix(".base_layer")
+            layer = modules[owner]
+            if attr == "weight":
+                for adapter in layer.active_adapters:
+                    t = t + layer.get_delta_weight(adapter)
+            name = f"{owner}.{attr}"
+        yield name, t.detach()
 
 
 @torch.no_grad()

@@ -6,6 +6,7 @@
   them; each prompt gets its own seed, so samples do not depend on batch composition.
 * ``sync_weights`` copies the policy's current weights into the engine's model after each
   update and drops vLLM's prefix cache (its KV entries were computed with the old weights).
+  A LoRA policy's weights go with the adapter folded in (vLLM holds plain weights).
 * MoE routing is not returned, so routing replay R3 is a config error with this engine (R2,
   trainer-recorded, works). vLLM 0.32 can return the experts it chose
   (``enable_return_routed_experts=True`` -> ``CompletionOutput.routed_experts``, an array
@@ -35,6 +36,7 @@ from typing import Any
 
 import torch
 
+from gspo.models.lora import is_peft, merged_weights
 from gspo.models.tokens import eos_ids
 from gspo.rollout.batch import Rollout
 from gspo.rollout.engine import ENGINES, EngineCapabilities, EngineOptions
@@ -56,10 +58,11 @@ def _import_vllm() -> Any:
 
 
 def full_weights(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """(Hugging Face name, tensor) of every weight, as a checkpoint would hold them."""
-    if hasattr(model, "merge_adapter"):
-        raise NotImplementedError("rollout.engine=vllm with LoRA: merged-weight sync is not "
-                                  "implemented; use rollout.engine=hf")
+    """(Hugging Face name, tensor) of every weight, as a checkpoint would hold them; a LoRA
+    policy's with its adapter folded in (:func:`gspo.models.lora.merged_weights`)."""
+    if is_peft(model):
+        yield from merged_weights(model)
+        return
     for name, t in model.state_dict().items():
         yield name, t.detach()
 
@@ -103,7 +106,11 @@ class VLLMEngine:
         """Start from the policy's current weights (saved to a temporary folder, removed by
         :meth:`close`); vLLM needs a model folder even for a model built in memory."""
         tmp = Path(tempfile.mkdtemp(prefix="gspo-vllm-"))
-        model.save_pretrained(tmp, safe_serialization=True)
+        if is_peft(model):  # the base model's folder, the adapter folded into its weights
+            model.get_base_model().save_pretrained(tmp, state_dict=dict(full_weights(model)),
+                                                   safe_serialization=True)
+        else:
+            model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         engine = cls(tmp, dtype=dtype, seed=seed, eos=eos_ids(model, tokenizer), **engine_args)
         engine._tmp = tmp

@@ -131,3 +131,24 @@ def test_lora_training_updates_only_the_adapter(tmp_path):
     after = dict(trainer.model.named_parameters())
     changed = {n for n in before if not torch.equal(before[n], after[n])}
     assert changed and all("lora_" in n for n in changed)
+
+
+def test_merged_weights_are_merge_and_unloads_and_leave_the_policy_alone():
+    """What a vLLM engine is synced with: every adapted weight W + ΔW under its Hugging Face
+    name, bit for bit what PEFT's merge_and_unload gives, computed without touching the policy
+    (merging in place and unmerging would not give its weights back bit for bit)."""
+    import copy
+
+    from gspo.models.lora import merged_weights
+
+    model, _ = lora_model()
+    perturb(model)  # lora_B starts at zero: ΔW = 0
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    merged = dict(merged_weights(model))
+    want = copy.deepcopy(model).merge_and_unload().state_dict()
+    assert merged.keys() == want.keys()
+    assert all(torch.equal(merged[k], want[k]) for k in want)
+    base = "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"
+    assert not torch.equal(merged["model.layers.0.self_attn.q_proj.weight"], before[base])
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
