@@ -290,7 +290,7 @@ def decode(d: dict[str, Any]) -> Rollout:
 
 @torch.no_grad()
 def trainer_pass(model: Any, roll: Rollout, rc: Recompute
-                      ) -> tuple[list[list[float]], list[torch.Tensor] | None]:
+                 ) -> tuple[list[list[float]], list[torch.Tensor] | None]:
     """The trainer's pass on ``roll`` (its response tokens' log-probs per row) and, with
     ``rc.routing``, the experts it chose at every position (pad_batch layout, as the trainer's
     own π_old pass records them)."""
