@@ -661,8 +661,6 @@ def validate(cfg: TrainConfig) -> None:
     draws = r.dynamic_max_extra_batches + 1
     _check(not r.dynamic_sampling or draws * r.prompts_per_step < 65_537,
            "rollout.prompts_per_step x (rollout.dynamic_max_extra_batches + 1) must be < 65537")
-    _check(not r.dynamic_sampling or cfg.moe.routing_replay != "r3",
-           "rollout.dynamic_sampling does not support moe.routing_replay=r3 yet")
     _check(cfg.logging.zero_signal_warn_steps >= 0, "logging.zero_signal_warn_steps must be >= 0")
     _validate_guard(cfg.guard)
 

@@ -52,7 +52,7 @@ import torch.multiprocessing as mp
 
 from gspo.models.lora import is_peft
 from gspo.models.moe import capture_routing
-from gspo.rollout.batch import Rollout, pad_batch, share
+from gspo.rollout.batch import Rollout, join_routing, pad_batch, share
 from gspo.rollout.engine import EngineOptions, build_engine, engine_capabilities
 from gspo.rollout.multiturn import engine_sampler
 from gspo.rollout.sampler import SamplingParams
@@ -258,9 +258,19 @@ def split_request(req: Request, parts: int) -> list[Request]:
 def merge_encoded(parts: list[dict[str, Any]]) -> dict[str, Any]:
     """One encoded rollout (:func:`_encode`'s) from those of a request's shares, in order: the
     rows one after the other; ``generate_s`` the longest (the shares sample side by side). MoE
-    routing records are laid out per batch (padded to its longest row) and are not merged."""
-    if any(p["routing"] is not None or p["trainer_routing"] is not None for p in parts):
-        raise ValueError("merge_encoded: batches with routing records do not merge")
+    routing records, laid out per batch (padded to its longest row), are re-padded and joined
+    (:func:`gspo.rollout.batch.join_routing`)."""
+    rows = [len(p["response_ids"]) for p in parts]
+
+    def routing(key: str) -> list[list[Any]] | None:
+        encs = [p[key] for p in parts]
+        if all(e is None for e in encs):
+            return None
+        if any(e is None for e in encs):
+            raise ValueError(f"merge_encoded: some shares have {key} and some do not")
+        return _encode_routing(join_routing([_decode_routing(e) for e in encs], rows,
+                                            complete=key == "trainer_routing"))
+
     out: dict[str, Any] = {k: [x for p in parts for x in p[k]] for k in (
         "prompt_ids", "response_ids", "logprobs", "truncated", "versions")}
     trainer = [p["trainer_logprobs"] for p in parts]
@@ -268,10 +278,11 @@ def merge_encoded(parts: list[dict[str, Any]]) -> dict[str, Any]:
                                else [x for t in trainer for x in t])
     masks = [p.get("model_mask") for p in parts]
     out["model_mask"] = None if any(m is None for m in masks) else [x for m in masks for x in m]
-    rows = [len(p["response_ids"]) for p in parts]  # per-row means (multi-turn), row-weighted
+    # per-row means (multi-turn), row-weighted
     out["extras"] = {k: sum(p["extras"][k] * n for p, n in zip(parts, rows)) / sum(rows)
                      for k in parts[0].get("extras") or {}}
-    out.update(group_size=parts[0]["group_size"], routing=None, trainer_routing=None,
+    out.update(group_size=parts[0]["group_size"], routing=routing("routing"),
+               trainer_routing=routing("trainer_routing"),
                generate_s=max(p["generate_s"] for p in parts),
                sync_s=max(p.get("sync_s", 0.0) for p in parts))
     return out

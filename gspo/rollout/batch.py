@@ -61,6 +61,36 @@ class Rollout:
                        trainer_routing=self._select_routing(self.trainer_routing, idx))
 
 
+def join_routing(records: list[list[torch.Tensor]], rows: list[int], *,
+                 complete: bool = False) -> list[torch.Tensor]:
+    """One routing record (:attr:`Rollout.routing`'s layout) for consecutive blocks of rows,
+    from each block's own: per MoE layer, block ``i``'s ``[rows[i] * T_i, k]`` (``T_i`` its
+    longest row) re-padded to the longest block's width, the blocks one after the other.
+    :meth:`Rollout.select` is the inverse. The new padding is ``-1`` (unknown, as the
+    sampler's padding is; the trainer's pass fills it), or with ``complete`` (a trainer pass's
+    record, which holds every position's experts, padding's too, and is replayed as it is)
+    experts ``0 … k-1``: any valid choice, since a padding position's output reaches no real
+    token (right padding, causal attention) and the load-balancing loss masks it."""
+    widths = [r[0].shape[0] // n if n else 0 for r, n in zip(records, rows)]
+    t = max(widths, default=0)
+    joined = []
+    for layer in range(len(records[0])):
+        blocks = []
+        for record, n, w in zip(records, rows, widths):
+            if n == 0:
+                continue
+            x = record[layer].view(n, w, -1)
+            if w < t:
+                pad = (torch.arange(x.shape[-1]).expand(n, t - w, -1).to(x) if complete
+                       else x.new_full((n, t - w, x.shape[-1]), -1))
+                x = torch.cat([x, pad], dim=1)
+            blocks.append(x)
+        k = records[0][layer].shape[-1]
+        joined.append(torch.cat(blocks).reshape(-1, k) if blocks
+                      else records[0][layer].new_empty((0, k)))
+    return joined
+
+
 def share(n: int, parts: int, index: int) -> tuple[int, int]:
     """``[lo, hi)``: the ``index``-th of ``parts`` contiguous shares of ``n`` items, the first
     ``n % parts`` one larger (a torchrun rank's prompts; an engine's part of a request)."""

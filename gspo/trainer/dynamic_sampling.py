@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from gspo.rollout import Rollout
+from gspo.rollout.batch import join_routing
 from gspo.rollout.multiturn import episode_metrics
 
 __all__ = ["Draw", "DynamicBatch", "ZeroSignalWatch", "collect", "concat_rollouts",
@@ -47,30 +48,38 @@ def signal_groups(rewards: Tensor, group_size: int) -> Tensor:
 
 
 def concat_rollouts(rolls: list[Rollout]) -> Rollout:
-    """The rows of several rollouts in order (same group size; no recorded routing), with what
-    each row carries: the multi-turn observation mask and, from the async pipeline, its policy
-    version and the trainer's log-probs on that version. A multi-turn batch's episode metrics
-    (``rollout/turns_mean`` etc., means over a draw's rows) are recomputed for the joined rows
-    from their masks (:func:`episode_metrics`)."""
-    if any(r.routing is not None or r.trainer_routing is not None for r in rolls):
-        raise ValueError("concat_rollouts: rollouts with recorded routing cannot be joined")
-
-    def rows(name: str) -> list[Any] | None:
+    """The rows of several rollouts in order (same group size), with what each row carries: the
+    multi-turn observation mask, the experts the engine routed to (R3), and from the async
+    pipeline its policy version and the trainer's log-probs (and experts) on that version. A
+    multi-turn batch's episode metrics (``rollout/turns_mean`` etc., means over a draw's rows)
+    are recomputed for the joined rows from their masks (:func:`episode_metrics`)."""
+    def present(name: str) -> list[Any] | None:
         per = [getattr(r, name) for r in rolls]
         if all(x is None for x in per):
             return None
         if any(x is None for x in per):
             raise ValueError(f"concat_rollouts: some rollouts have {name} and some do not")
-        return [row for x in per for row in x]
+        return per
+
+    def rows(name: str) -> list[Any] | None:
+        per = present(name)
+        return None if per is None else [row for x in per for row in x]
+
+    def routing(name: str) -> list[Tensor] | None:  # per-batch layouts: re-padded, joined
+        per = present(name)
+        return None if per is None else join_routing(per, [len(r) for r in rolls],
+                                                      complete=name == "trainer_routing")
 
     mask = rows("model_mask")
     return Rollout([p for r in rolls for p in r.prompt_ids],
                    [y for r in rolls for y in r.response_ids],
                    [lp for r in rolls for lp in r.logprobs],
                    [t for r in rolls for t in r.truncated], rolls[0].group_size,
+                   routing("routing"),
                    extras={} if mask is None else episode_metrics(mask),
                    model_mask=mask, versions=rows("versions"),
-                   trainer_logprobs=rows("trainer_logprobs"))
+                   trainer_logprobs=rows("trainer_logprobs"),
+                   trainer_routing=routing("trainer_routing"))
 
 
 @dataclass

@@ -335,13 +335,10 @@ class Trainer:
             raise ConfigError(f"rollout.async_engines={n}: each engine needs a prompt, but a "
                               f"trainer process has {cfg.rollout.prompts_per_step // world} "
                               "(rollout.prompts_per_step / processes)")
-        if n > 1 and self.hooks.active:
-            raise ConfigError("rollout.async_engines > 1 does not support MoE routing records "
-                              "(Routing Replay, moe/* metrics) yet")
         if cfg.rollout.dynamic_sampling and self.hooks.active:
             raise ConfigError("rollout.dynamic_sampling with rollout.async_steps > 0 does not "
-                              "support MoE policies yet (their routing records are laid out "
-                              "per batch and do not join)")
+                              "support MoE policies yet (the trainer's pass on an extra draw's "
+                              "rows records no routing)")
         every = cfg.logging.rollout_check_every
         # The engine process runs the trainer's pass on the behaviour weights: π_old for
         # recompute, and for an MoE policy π_old's routing (unless π_old is the proximal policy)

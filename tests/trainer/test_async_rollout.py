@@ -288,8 +288,48 @@ def test_a_request_split_over_engines_samples_what_one_engine_does():
     assert a["prompt_ids"] == b["prompt_ids"] and a["response_ids"] == b["response_ids"]
     assert all(torch.allclose(torch.tensor(x), torch.tensor(y), atol=1e-5)
                for x, y in zip(a["logprobs"], b["logprobs"]))
-    with pytest.raises(ValueError, match="routing records do not merge"):
+    with pytest.raises(ValueError, match="some shares have routing and some do not"):
         merge_encoded([{**a, "routing": [[1, [0, 1]]]}, a])
+
+
+def test_routing_records_of_row_blocks_join_as_one_batchs():
+    """MoE routing (pad_batch layout, per layer [rows × T, k], T the block's longest row):
+    blocks sampled apart (two engines' shares, dynamic sampling's draws) join into the record
+    of all their rows, re-padded with -1 (unknown); selecting a block's rows gives it back."""
+    from gspo.rollout.batch import join_routing
+
+    def block(lens, start):  # rows of these lengths (prompt + response), experts numbered
+        t = max(lens)
+        r = torch.full((len(lens), t, 2), -1, dtype=torch.long)
+        for i, n in enumerate(lens):
+            r[i, :n] = torch.arange(start + 100 * i, start + 100 * i + 2 * n).view(n, 2)
+        return r
+
+    a, b = block([3, 5], 0), block([2], 1000)
+    rolls = [Rollout([[1]] * 2, [[1, 1], [1, 1, 1, 1]], [torch.zeros(2), torch.zeros(4)],
+                     [False] * 2, 2, [a.reshape(-1, 2)] * 2),
+             Rollout([[1]], [[1]], [torch.zeros(1)], [False], 1, [b.reshape(-1, 2)] * 2)]
+    joined = join_routing([r.routing for r in rolls], [2, 1])
+    assert len(joined) == 2 and joined[0].shape == (3 * 5, 2)
+    want = torch.cat([a, torch.cat([b, torch.full((1, 3, 2), -1)], dim=1)])
+    assert torch.equal(joined[1].view(3, 5, 2), want)
+    # a trainer pass's record holds every position: its new padding gets valid experts
+    full = join_routing([r.routing for r in rolls], [2, 1], complete=True)[0].view(3, 5, 2)
+    assert torch.equal(full[2, 2:], torch.tensor([[0, 1]] * 3)) and torch.equal(full[:2], a)
+    whole = Rollout([[1]] * 3, [[1, 1], [1, 1, 1, 1], [1]], [torch.zeros(1)] * 3, [False] * 3,
+                    1, joined)
+    assert torch.equal(whole.select([2]).routing[0], b.reshape(-1, 2))
+    assert torch.equal(whole.select([0, 1]).routing[0], a.reshape(-1, 2))
+    enc = [{"prompt_ids": r.prompt_ids, "response_ids": r.response_ids,
+            "logprobs": [x.tolist() for x in r.logprobs], "truncated": r.truncated,
+            "versions": [0] * len(r), "trainer_logprobs": None, "model_mask": None,
+            "extras": {}, "group_size": 1, "generate_s": 0.0,
+            "routing": [[2, x.reshape(-1).tolist()] for x in r.routing],
+            "trainer_routing": None} for r in rolls]
+    from gspo.rollout.async_engine import merge_encoded
+
+    merged = decode(merge_encoded(enc))
+    assert all(torch.equal(x, y) for x, y in zip(merged.routing, joined))
 
 
 def test_multi_turn_batches_travel_with_their_masks_and_metrics():
@@ -683,6 +723,22 @@ def test_a_finished_run_resumed_with_more_steps_samples_its_next_batches_from_it
     extended = _trained(_cfg(tmp_path, "ext", "rollout.async_steps=2", "steps=5",
                              f"resume={tmp_path / 'ext'}"))
     assert [r["async/staleness_max"] for r in _rows(extended)] == [0, 1, 0, 1, 2]
+
+
+@pytest.mark.slow
+def test_two_engines_join_an_moe_policys_routing_records(tmp_path):
+    """rollout.async_engines=2 with an MoE policy under R3: each engine records the experts
+    its rows were sampled with and those of the behaviour pass, in its own batch's layout; the
+    shares' records, joined, are the whole batch's (every sampled expert is the one the
+    behaviour pass chose: mismatch 0), and the run samples what one engine does."""
+    extra = ["steps=3", "model=tiny:qwen3_moe", "rollout.async_steps=1", "optim.lr=1e-4",
+             "moe.routing_replay=r3", "objective.name=grpo", "objective.eps_low=0.2",
+             "objective.eps_high=0.27"]
+    one = _rows(_trained(_cfg(tmp_path, "one", *extra)))
+    two = _rows(_trained(_cfg(tmp_path, "two", *extra, "rollout.async_engines=2")))
+    assert [r["async/staleness_max"] for r in two] == [0, 1, 1]
+    assert all(r["moe/rollout_routing_mismatch"] == 0.0 for r in one + two)
+    assert [r["reward/mean"] for r in one] == [r["reward/mean"] for r in two]
 
 
 @pytest.mark.slow

@@ -231,8 +231,27 @@ def test_mask_truncated_gives_truncated_responses_no_loss_weight(tmp_path):
     assert float(t.objective.row_weights(batch.response_mask).sum()) == roll.truncated.count(False)
 
 
-def test_unused_dynamic_option_and_r3_are_config_errors():
+def test_an_unused_dynamic_option_is_a_config_error():
     with pytest.raises(ConfigError, match="dynamic_sampling=false"):
         load_config(None, ["rollout.dynamic_max_extra_batches=2"])
-    with pytest.raises(ConfigError, match="r3"):
-        load_config(None, ["rollout.dynamic_sampling=true", "moe.routing_replay=r3"])
+
+
+def test_dynamic_sampling_with_r3_replays_the_experts_of_every_joined_row(tmp_path):
+    """An MoE policy with Routing Replay R3: joined draws keep the experts the sampler chose
+    for each row, re-padded to the joined batch's layout. The sampler and the trainer's π_old
+    pass run the same fp32 code on the same weights, so every expert the sampler recorded is
+    the one π_old chose (``moe/rollout_routing_mismatch`` = 0); a misaligned join would not
+    be."""
+    rows = []
+    t = Trainer(_cfg(tmp_path, "r3", "steps=3", "model=tiny:qwen3_moe",
+                     "moe.routing_replay=r3", "objective.name=grpo", "objective.eps_low=0.2",
+                     "objective.eps_high=0.27", "rollout.dynamic_sampling=true",
+                     "rollout.dynamic_max_extra_batches=2"),
+                reward_fns=[first_char_is_digit]).setup()
+    try:
+        t.train()
+    finally:
+        t.cleanup()
+    rows = [r for r in _rows(t.run_dir) if "dynamic/groups_sampled" in r]
+    assert sum(r["dynamic/extra_batches"] for r in rows) > 0  # rows were joined
+    assert all(r["moe/rollout_routing_mismatch"] == 0.0 for r in rows)
