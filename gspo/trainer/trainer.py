@@ -335,10 +335,6 @@ class Trainer:
             raise ConfigError(f"rollout.async_engines={n}: each engine needs a prompt, but a "
                               f"trainer process has {cfg.rollout.prompts_per_step // world} "
                               "(rollout.prompts_per_step / processes)")
-        if cfg.rollout.dynamic_sampling and self.hooks.active:
-            raise ConfigError("rollout.dynamic_sampling with rollout.async_steps > 0 does not "
-                              "support MoE policies yet (the trainer's pass on an extra draw's "
-                              "rows records no routing)")
         every = cfg.logging.rollout_check_every
         # The engine process runs the trainer's pass on the behaviour weights: π_old for
         # recompute, and for an MoE policy π_old's routing (unless π_old is the proximal policy)
@@ -477,7 +473,10 @@ class Trainer:
         if self.async_rollout is not None:
             roll.versions = [self.step] * len(roll)
             if self.async_rollout.check(self.step):  # as the pipeline's batch of this step
-                roll.trainer_logprobs = [None] * len(roll)  # type: ignore[list-item]
+                if self.hooks.active:  # MoE: the pass's experts, in this draw's own layout
+                    self._behaviour_pass(roll, whole=True)
+                else:  # run once the rows kept are known (refill)
+                    roll.trainer_logprobs = [None] * len(roll)  # type: ignore[list-item]
         return examples, roll
 
     def _request(self, step: int, draw: int = 0) -> tuple[list[Any], Request]:
@@ -750,23 +749,29 @@ class Trainer:
                 self._behaviour_pass(got.roll)
         return got.examples, got.roll, got.rewards, got.metrics
 
-    def _behaviour_pass(self, roll: Rollout) -> None:
-        """The trainer's log-prob pass on the behaviour weights for the rows of an extra draw
-        kept (their ``trainer_logprobs`` None): this step's weights, so the pass the engine
-        process runs on the pipeline's rows (:func:`gspo.rollout.async_engine.trainer_pass`),
-        run here."""
-        lps = roll.trainer_logprobs
-        todo = [] if lps is None else [i for i, lp in enumerate(lps) if lp is None]
-        if not todo:
-            return
+    def _behaviour_pass(self, roll: Rollout, *, whole: bool = False) -> None:
+        """The trainer's log-prob pass on the behaviour weights for the rows of an extra draw:
+        this step's weights, so the pass the engine process runs on the pipeline's rows
+        (:func:`gspo.rollout.async_engine.trainer_pass`), run here. On the rows kept (their
+        ``trainer_logprobs`` None), or with ``whole`` on the whole draw, also recording its
+        experts (an MoE policy: they join the batch in the draw's own layout)."""
         was_training = self.model.training
         self.model.eval()
         try:
-            rows, _ = trainer_pass(self.model, roll.select(todo), self.async_rollout.recompute)
+            if whole:
+                rows, roll.trainer_routing = trainer_pass(self.model, roll,
+                                                          self.async_rollout.recompute)
+                roll.trainer_logprobs = [torch.tensor(lp, dtype=torch.float32) for lp in rows]
+                return
+            lps = roll.trainer_logprobs
+            todo = [] if lps is None else [i for i, lp in enumerate(lps) if lp is None]
+            if todo:
+                rows, _ = trainer_pass(self.model, roll.select(todo),
+                                       self.async_rollout.recompute)
+                for i, lp in zip(todo, rows):
+                    lps[i] = torch.tensor(lp, dtype=torch.float32)
         finally:
             self.model.train(was_training)
-        for i, lp in zip(todo, rows):
-            lps[i] = torch.tensor(lp, dtype=torch.float32)
 
     # ------------------------------------------------------------------ the loop
     def evaluate(self) -> dict[str, float]:

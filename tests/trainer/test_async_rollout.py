@@ -95,10 +95,6 @@ def test_config_errors():
         load_config(None, [*dyn, "rollout.engine=vllm"])
 
 
-def test_dynamic_sampling_with_an_moe_policy_is_refused_before_any_engine_starts(tmp_path):
-    with pytest.raises(ConfigError, match="does not support MoE policies yet"):
-        Trainer(_cfg(tmp_path, "moe", "model=tiny:qwen3_moe", "rollout.async_steps=1",
-                     "rollout.dynamic_sampling=true")).setup()
 
 
 def test_engine_counts_are_checked_against_addresses_and_prompts(tmp_path):
@@ -470,6 +466,23 @@ def test_a_lora_async_run_resumes_bit_for_bit(tmp_path):
     (crashed / "metrics.jsonl").write_text("".join(lines[:2]))
     resumed = _trained(_cfg(tmp_path, "crashed", *extra, f"resume={crashed}"))
     _assert_same_run(whole, resumed, step=3)
+
+
+def test_dynamic_sampling_with_an_moe_policy_joins_the_extra_draws_experts(tmp_path):
+    """An MoE policy under R3 at k = 1 with extra draws every step: the extra draw's rows
+    carry the experts its sampler chose and those of the trainer's pass on this step's
+    weights (in the draw's own layout), joined with the pipeline's rows; every sampled expert
+    is the behaviour pass's (mismatch 0), which a misaligned join would break."""
+    rows = _rows(_trained(_cfg(tmp_path, "moe", "steps=3", "model=tiny:qwen3_moe",
+                               "moe.routing_replay=r3", "objective.name=grpo",
+                               "objective.eps_low=0.2", "objective.eps_high=0.27",
+                               "rollout.async_steps=1", "rollout.dynamic_sampling=true"),
+                          reward=flat_first_group))
+    assert all(r["dynamic/extra_batches"] >= 1 for r in rows)
+    assert [r["async/staleness_min"] for r in rows] == [0, 0, 0]
+    assert rows[-1]["async/staleness_max"] == 1
+    assert all(r["moe/rollout_routing_mismatch"] == 0.0 for r in rows)
+    assert all(r["async/engine_mismatch_abs_max"] < 3e-5 for r in rows)
 
 
 @pytest.mark.slow
