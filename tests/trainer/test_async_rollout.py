@@ -454,16 +454,9 @@ def test_a_lora_policy_runs_async(tmp_path, monkeypatch):
 def test_a_lora_async_run_resumes_bit_for_bit(tmp_path):
     """A k = 1 LoRA run cut after its step-2 checkpoint (adapter, optimizer, the in-flight
     batch) resumes to the uninterrupted run's adapter and losses bit for bit."""
-    import shutil
-
     extra = ["steps=3", "lora.r=4", "rollout.async_steps=1", "save_every=1"]
     whole = _trained(_cfg(tmp_path, "whole", *extra))
-    crashed = tmp_path / "crashed"
-    shutil.copytree(whole.run_dir, crashed)
-    shutil.rmtree(crashed / "checkpoints" / "step_000003")
-    (crashed / "checkpoints" / "latest").write_text("step_000002")
-    lines = (crashed / "metrics.jsonl").read_text().splitlines(keepends=True)
-    (crashed / "metrics.jsonl").write_text("".join(lines[:2]))
+    crashed = _cut_after_step_2(whole.run_dir, tmp_path / "crashed")
     resumed = _trained(_cfg(tmp_path, "crashed", *extra, f"resume={crashed}"))
     _assert_same_run(whole, resumed, step=3)
 
@@ -490,18 +483,11 @@ def test_an_async_run_with_dynamic_sampling_resumes_bit_for_bit(tmp_path):
     """k = 1 with extra draws every step, cut after its step-2 checkpoint (the in-flight
     batch, the task's stream after the step's extra draws) resumes to the uninterrupted run's
     weights and losses bit for bit."""
-    import shutil
-
     extra = ["steps=3", "rollout.dynamic_sampling=true", "rollout.async_steps=1",
              "save_every=1"]
     whole = _trained(_cfg(tmp_path, "whole", *extra), reward=flat_first_group)
     assert all(r["dynamic/extra_batches"] >= 1 for r in _rows(whole))
-    crashed = tmp_path / "crashed"
-    shutil.copytree(whole.run_dir, crashed)
-    shutil.rmtree(crashed / "checkpoints" / "step_000003")
-    (crashed / "checkpoints" / "latest").write_text("step_000002")
-    lines = (crashed / "metrics.jsonl").read_text().splitlines(keepends=True)
-    (crashed / "metrics.jsonl").write_text("".join(lines[:2]))
+    crashed = _cut_after_step_2(whole.run_dir, tmp_path / "crashed")
     resumed = _trained(_cfg(tmp_path, "crashed", *extra, f"resume={crashed}"),
                        reward=flat_first_group)
     _assert_same_run(whole, resumed, step=3)
@@ -550,6 +536,19 @@ def test_dynamic_sampling_draws_its_extra_groups_on_the_steps_own_weights(tmp_pa
                                "logging.rollout_check_every=1"), reward=flat_first_group))
     assert [r["async/staleness_min"] for r in rows] == [0, 0, 0]
     assert all(r["async/engine_mismatch_abs_max"] < 3e-3 for r in rows)
+
+
+def _cut_after_step_2(run_dir, dest):
+    """A copy of a 3-step run (``save_every=1``) as a kill after its step-2 checkpoint leaves
+    it: no step-3 checkpoint, two metrics rows."""
+    import shutil
+
+    shutil.copytree(run_dir, dest)
+    shutil.rmtree(dest / "checkpoints" / "step_000003")
+    (dest / "checkpoints" / "latest").write_text("step_000002")
+    lines = (dest / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (dest / "metrics.jsonl").write_text("".join(lines[:2]))
+    return dest
 
 
 def _sync_and_zero_staleness_pipeline(tmp_path, monkeypatch, *extra):
