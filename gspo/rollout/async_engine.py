@@ -469,7 +469,8 @@ def changing(model: torch.nn.Module, unique: list[int]) -> list[int] | None:
     if not is_peft(model):
         return None
     named = _named_tensors(model)
-    return [i for i in unique if named[i][2] and named[i][3].requires_grad]
+    trainable = [i for i in unique if named[i][2] and named[i][3].requires_grad]
+    return trainable or None  # none seen trainable (e.g. a wrapper hiding the flags): all
 
 
 def distinct(entries: list[_Entry]) -> list[int]:
