@@ -141,7 +141,7 @@ def _copy_flat(slot: dict[str, torch.Tensor], entries: list[_Entry], unique: lis
 def pack(entries: list[_Entry], only: list[int], model: torch.nn.Module,
          out: dict[str, torch.Tensor]) -> None:
     """``model``'s tensors of ``entries[i]``, ``i`` in ``only``, back to back in one buffer per
-    dtype (``out``, sized by :func:`packed_sizes`): what a publish of only those sends."""
+    dtype (``out``, from :func:`packed_buffers`): what a publish of only those sends."""
     srcs = [t for *_, t in _named_tensors(model)]
     for key, buf in out.items():
         buf.copy_(torch.cat([srcs[i].detach().reshape(-1) for i in only
@@ -159,12 +159,13 @@ def unpack(entries: list[_Entry], only: list[int], packed: dict[str, torch.Tenso
         at[key] += n
 
 
-def packed_sizes(entries: list[_Entry], only: list[int]) -> dict[str, int]:
-    """Elements per dtype of the tensors of ``entries[i]``, ``i`` in ``only``."""
+def packed_buffers(entries: list[_Entry], only: list[int] | None) -> dict[str, torch.Tensor]:
+    """Empty buffers for :func:`pack` of ``entries[i]``, ``i`` in ``only`` (none: no buffers),
+    one per dtype, in the order both ends of a broadcast send and receive them."""
     sizes: dict[str, int] = {}
-    for i in only:
+    for i in only or []:
         sizes[entries[i].dtype] = sizes.get(entries[i].dtype, 0) + _numel(entries[i].shape)
-    return sizes
+    return {k: torch.empty(n, dtype=getattr(torch, k)) for k, n in sorted(sizes.items())}
 
 
 def entry_bytes(entries: list[_Entry], idx: list[int]) -> int:

@@ -57,7 +57,7 @@ from gspo.rollout.async_engine import (
     entry_bytes,
     fill_slot,
     pack,
-    packed_sizes,
+    packed_buffers,
     run_engine,
     unpack,
 )
@@ -154,8 +154,7 @@ class RemoteEngine:
             self._filled = [False] * (steps_ahead + 1)  # the engine's slot holds a whole policy
             self.keys = sorted(sizes)  # both ends send and receive the dtypes in this order
             self.buffer = {k: torch.empty(n, dtype=getattr(torch, k)) for k, n in sizes.items()}
-            self.small = {k: torch.empty(n, dtype=getattr(torch, k)) for k, n in sorted(
-                packed_sizes(self.entries, self._changing or []).items())}
+            self.small = packed_buffers(self.entries, self._changing)
             self.bytes_per_slot = sum(t.numel() * t.element_size() for t in self.buffer.values())
             self.last_publish_bytes = 0
             self.messages.send({"skeleton": _skeleton(model), "entries": self.entries,
@@ -225,8 +224,7 @@ class _Slots:
                       for _ in range(n)]
         self.keys = sorted(sizes)
         self.entries, self.changing = entries, changing
-        self.small = {k: torch.empty(m, dtype=getattr(torch, k)) for k, m in sorted(
-            packed_sizes(entries, changing or []).items())}
+        self.small = packed_buffers(entries, changing)
         self.versions = [-1] * n
         self.cond = threading.Condition()
         self.thread = threading.Thread(target=self._receive, name="gspo-weights", daemon=True)

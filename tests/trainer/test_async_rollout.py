@@ -153,7 +153,7 @@ def test_a_lora_publish_after_the_first_copies_only_the_adapter():
         entry_bytes,
         fill_slot,
         pack,
-        packed_sizes,
+        packed_buffers,
         unpack,
     )
 
@@ -177,8 +177,7 @@ def test_a_lora_publish_after_the_first_copies_only_the_adapter():
         for i in only:     # does, to show the publish leaves it alone)
             src[names[i]].add_(0.25)
         src[names[base]].add_(1.0)
-    packed = {k: torch.empty(n, dtype=getattr(torch, k))
-              for k, n in packed_sizes(entries, only).items()}
+    packed = packed_buffers(entries, only)
     received = {k: v.clone() for k, v in slot.items()}
     pack(entries, only, model, packed)
     unpack(entries, only, packed, received)  # what the engine's receiving thread does
