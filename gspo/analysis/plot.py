@@ -30,6 +30,8 @@ PANELS: list[tuple[str, str, list[tuple[str, str, str]]]] = [
     ("clipping", "Clipping", [
         ("objective/clip_frac_seqs", "Responses clipped (sequence level)", "fraction"),
         ("objective/clip_frac_tokens", "Tokens clipped", "fraction"),
+        ("objective/clip_frac_seqs_signal", "Responses clipped, among those with Â ≠ 0",
+         "fraction"),
         ("objective/clip_frac_seqs_low", "Responses clipped below 1 - eps_low", "fraction"),
         ("objective/clip_frac_seqs_high", "Responses clipped above 1 + eps_high", "fraction"),
     ]),

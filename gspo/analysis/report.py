@@ -6,6 +6,10 @@ Per run (definitions used in the table):
 * held-out accuracy: greedy accuracy on the task's held-out problems before / after training;
 * clipped tokens: ``objective/clip_frac_tokens`` averaged over all steps (GSPO counts every
   token of a clipped sequence);
+* clipped sequences among rows with signal: ``objective/clip_frac_seqs_signal``, the clipped
+  share of the rows whose advantage is not 0, averaged over all steps. The plain fractions
+  count zero-advantage rows, which are never clipped, so they fall as more groups carry no
+  signal; this one compares runs with different shares of such groups (dynamic sampling);
 * routing change: ``moe/routing_change`` averaged over all steps: the share of (response token,
   MoE layer) whose top-k expert set under π_θ differs from π_old's, measured in every
   minibatch before its optimizer step (the first minibatch of a batch always measures 0);
@@ -47,6 +51,7 @@ COLUMNS: list[tuple[str, str]] = [
     ("accuracy_after", "held-out accuracy after"),
     ("clip_frac_tokens", "clipped-token fraction"),
     ("clip_frac_seqs", "clipped-sequence fraction"),
+    ("clip_frac_seqs_signal", "clipped-sequence fraction, rows with Â ≠ 0"),
     ("routing_change", "routing-change fraction"),
     ("routing_change_after_update", "routing change after an update"),
     ("expert_change", "experts replaced vs π_old"),
@@ -69,6 +74,7 @@ COLUMNS: list[tuple[str, str]] = [
 ]
 _STEP_MEANS = {"clip_frac_tokens": "objective/clip_frac_tokens",
                "clip_frac_seqs": "objective/clip_frac_seqs",
+               "clip_frac_seqs_signal": "objective/clip_frac_seqs_signal",
                "sampled_reward": "dynamic/sampled_reward_mean",
                "routing_change": "moe/routing_change",
                "routing_change_after_update": "moe/routing_change_after_update",

@@ -204,14 +204,23 @@ def _ratio_stats(b: LossBatch) -> dict[str, Tensor]:
     }
 
 
-def _clip_stats(high: Tensor, low: Tensor, b: LossBatch) -> dict[str, Tensor]:
-    """Fractions of valid tokens / valid sequences that are clipped (high, low, either)."""
+def _clip_stats(high: Tensor, low: Tensor, b: LossBatch, adv_row: Tensor) -> dict[str, Tensor]:
+    """Fractions of valid tokens / valid sequences that are clipped (high, low, either), and
+    the same two fractions over the rows with signal only (``*_signal``: Â_i ≠ 0). A row with
+    Â_i = 0 is never clipped yet counts in the plain fractions' denominators, so those fall
+    with the share of zero-advantage groups; the ``*_signal`` ones do not."""
     flags = torch.stack([high | low, low, high]) & b.mask  # [3, B, T]: either, low, high
     tokens = flags.sum((1, 2)) / b.mask.sum().clamp(min=1)
     seqs = flags.any(-1).sum(-1) / b.valid.sum().clamp(min=1)
-    return {f"objective/clip_frac_{unit}{kind}": frac[i]
-            for unit, frac in (("tokens", tokens), ("seqs", seqs))
-            for i, kind in enumerate(("", "_low", "_high"))}
+    stats = {f"objective/clip_frac_{unit}{kind}": frac[i]
+             for unit, frac in (("tokens", tokens), ("seqs", seqs))
+             for i, kind in enumerate(("", "_low", "_high"))}
+    signal = b.valid & (adv_row != 0)  # [B]
+    on = b.mask & signal[:, None]
+    stats["objective/clip_frac_tokens_signal"] = (flags[0] & on).sum() / on.sum().clamp(min=1)
+    stats["objective/clip_frac_seqs_signal"] = ((flags[0].any(-1) & signal).sum()
+                                                / signal.sum().clamp(min=1))
+    return stats
 
 
 def finish(
@@ -240,7 +249,7 @@ def finish(
             loss = loss + beta * kl_ref
         stats["objective/kl_ref"] = kl_ref
     stats["objective/loss"] = loss
-    stats.update(_clip_stats(high, low, b))
+    stats.update(_clip_stats(high, low, b, adv_row))
     stats.update(_ratio_stats(b))
     stats["objective/adv_mean"] = _masked_mean(adv_row, b.valid)
     return loss, {k: v.detach().to(torch.float32) for k, v in stats.items()}

@@ -82,6 +82,8 @@ STAT_KEYS: tuple[str, ...] = (
     "objective/clip_frac_seqs",
     "objective/clip_frac_seqs_low",
     "objective/clip_frac_seqs_high",
+    "objective/clip_frac_tokens_signal",
+    "objective/clip_frac_seqs_signal",
     "objective/seq_ratio_mean",
     "objective/seq_ratio_min",
     "objective/seq_ratio_max",
@@ -93,9 +95,11 @@ STAT_KEYS: tuple[str, ...] = (
 )
 """Keys always present in ``stats``; ``objective/kl_ref`` is added when ref_logprobs is given."""
 
-STAT_KIND_NAMES: tuple[str, ...] = ("rows", "tokens", "weight", "min", "max", "std")
+STAT_KIND_NAMES: tuple[str, ...] = ("rows", "tokens", "signal_rows", "signal_tokens", "weight",
+                                    "min", "max", "std")
 """How a stat of one minibatch is a mean, which decides how its values combine across ranks:
-``rows`` a mean over valid rows, ``tokens`` a mean over response tokens, ``weight``
+``rows`` a mean over valid rows, ``tokens`` a mean over response tokens, ``signal_rows`` /
+``signal_tokens`` the same over the rows with a non-zero advantage only, ``weight``
 Σ_i w_i x_i / Σ_i w_i with the objective's row weights w_i, ``min`` / ``max`` an extreme,
 ``std`` a std pooled with its ``*_mean`` (see :data:`STAT_KINDS`)."""
 
@@ -109,6 +113,8 @@ STAT_KINDS: dict[str, str] = {
     "objective/clip_frac_seqs": "rows",
     "objective/clip_frac_seqs_low": "rows",
     "objective/clip_frac_seqs_high": "rows",
+    "objective/clip_frac_tokens_signal": "signal_tokens",
+    "objective/clip_frac_seqs_signal": "signal_rows",
     "objective/seq_ratio_mean": "rows",
     "objective/seq_ratio_min": "min",
     "objective/seq_ratio_max": "max",

@@ -21,10 +21,11 @@ def to_float(v: Any) -> float:
 # Every stat declares one (objectives: gspo.objectives.STAT_KINDS; the update, the MoE hooks:
 # their own tables); nothing is guessed from a key's name.
 #   rows    mean over the valid rows           tokens  mean over response tokens
+#   signal_rows / signal_tokens               the same over the rows with Â_i ≠ 0 only
 #   weight  Σ w_i x_i / Σ w_i, the objective's row weights
 #   rank    each rank's own value, averaged over ranks
 #   min / max                                  std     pooled with its ``*_mean`` (same kind)
-KINDS = ("rows", "tokens", "weight", "rank", "min", "max", "std")
+KINDS = ("rows", "tokens", "signal_rows", "signal_tokens", "weight", "rank", "min", "max", "std")
 
 
 def stat_kind(key: str, kinds: Mapping[str, str]) -> str:
@@ -36,9 +37,11 @@ def stat_kind(key: str, kinds: Mapping[str, str]) -> str:
                        ) from None
 
 
-def mean_stats(stats: list[dict[str, torch.Tensor]], kinds: Mapping[str, str]
-               ) -> dict[str, float]:
-    """Combine each key over minibatches: min/max kinds take the min/max, the others the
+def mean_stats(stats: list[dict[str, torch.Tensor]], kinds: Mapping[str, str],
+               counts: list[dict[str, float]] | None = None) -> dict[str, float]:
+    """Combine each key over minibatches: min/max kinds take the min/max, the ``signal_*``
+    kinds a mean weighted by each minibatch's rows (tokens) with signal, given ``counts`` (a
+    minibatch without any adds nothing; 0 when no minibatch has one), the others the plain
     mean; one host sync."""
     if not stats:
         return {}
@@ -50,6 +53,9 @@ def mean_stats(stats: list[dict[str, torch.Tensor]], kinds: Mapping[str, str]
             out[key] = float(values.min())
         elif kind == "max":
             out[key] = float(values.max())
+        elif kind.startswith("signal_") and counts is not None:
+            n = torch.tensor([c[kind] for c in counts], dtype=torch.float64)
+            out[key] = float((values.double() * n).sum() / n.sum()) if n.sum() > 0 else 0.0
         else:
             out[key] = float(values.mean())
     return out
@@ -60,10 +66,11 @@ def reduce_stats(stats: list[dict[str, torch.Tensor]], counts: list[dict[str, fl
                  kinds: Mapping[str, str]) -> list[dict[str, torch.Tensor]]:
     """Global per-minibatch stats from each rank's stats of its own rows (two all-reduces).
 
-    ``counts[m]`` holds this rank's ``rows`` (valid rows), ``tokens`` (response tokens) and
-    ``weight`` (Σ w_i of the objective's mean) in minibatch m; a rank without rows there has
-    zeros. ``kinds`` declares each key's reduction (see :data:`KINDS`): means over rows or
-    tokens become count-weighted means, the losses Σ w·loss / Σ w, min / max the min / max
+    ``counts[m]`` holds this rank's ``rows`` (valid rows), ``tokens`` (response tokens),
+    ``signal_rows`` / ``signal_tokens`` (those of rows with Â_i ≠ 0) and ``weight`` (Σ w_i of
+    the objective's mean) in minibatch m; a rank without rows there has zeros. ``kinds``
+    declares each key's reduction (see :data:`KINDS`): means over rows or tokens (with
+    signal or all) become count-weighted means, the losses Σ w·loss / Σ w, min / max the min / max
     over ranks, and std the pooled std (exact when the matching ``*_mean`` is in the stats,
     else the root of the mean within-rank variance; weighted like that mean).
     """
@@ -77,8 +84,7 @@ def reduce_stats(stats: list[dict[str, torch.Tensor]], counts: list[dict[str, fl
             kind_of[k + "/std"] = "std"
     sums, extremes = [], []
     for s, c in zip(stats, counts):
-        n = {"rows": c["rows"], "tokens": c["tokens"], "weight": c["weight"],
-             "rank": float(c["rows"] > 0)}
+        n = {**c, "rank": float(c["rows"] > 0)}
         has_rows = c["rows"] > 0
         for k in keys:
             v, kind = float(s[k]), kind_of[k]

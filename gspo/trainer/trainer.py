@@ -672,7 +672,7 @@ class Trainer:
         return {
             **roll.extras,
             **{k: float(v) for k, v in group_stats(rewards, roll.group_size).items()},
-            **mean_stats(result.stats, stat_kinds(self.objective, self.hooks)),
+            **mean_stats(result.stats, stat_kinds(self.objective, self.hooks), result.counts),
             **self.hooks.step_metrics(result.stats),
             **rollout_metrics(roll, padded, old.entropy, gap, timer.seconds,
                               self.cfg.objective.epochs, self.dist),

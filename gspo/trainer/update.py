@@ -128,6 +128,8 @@ class UpdateResult:
     first_entropy: torch.Tensor | None = None
     first_logprobs: torch.Tensor | None = None
     diagnostics: dict[str, float] = field(default_factory=dict)  # whole-step diag/* metrics
+    # per step in ``stats``: the (global) rows, tokens, signal rows/tokens and weight it averages
+    counts: list[dict[str, float]] = field(default_factory=list)
 
 
 def policy_update(model: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
@@ -171,11 +173,13 @@ def policy_update(model: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
                 continue
             result.stats.append(stats)
             weight = 0.0 if empty else float(w_global[local + offset].sum())
-            counts.append(_counts(batch.response_mask[local], weight))
+            counts.append(_counts(batch.response_mask[local], batch.advantages[local], weight))
     optimizer.zero_grad(set_to_none=True)
+    result.counts = counts
     if d.enabled:
         result.stats = reduce_stats(result.stats, counts, d.all_reduce,
                                     stat_kinds(objective, hooks))
+        result.counts = _global_counts(counts, d)
     if diagnostics is not None:
         result.diagnostics = diagnostics.metrics(d)
     return result
@@ -229,12 +233,27 @@ def _step(model: Any, optimizer: Any, scheduler: Any, batch: UpdateBatch, local:
             "train/grad_norm": gnorm.detach(), "train/loss": loss.detach()}
 
 
-def _counts(response_mask: torch.Tensor, weight: float) -> dict[str, float]:
+def _counts(response_mask: torch.Tensor, advantages: torch.Tensor, weight: float
+            ) -> dict[str, float]:
     """What this rank's stats of a minibatch average over (zeros for a stand-in row)."""
     on = response_mask > 0
-    real = weight > 0
-    return {"rows": float(on.any(-1).sum()) if real else 0.0,
-            "tokens": float(on.sum()) if real else 0.0, "weight": weight}
+    if weight <= 0:
+        return {"rows": 0.0, "tokens": 0.0, "signal_rows": 0.0, "signal_tokens": 0.0,
+                "weight": weight}
+    signal = on & (advantages != 0)[:, None]
+    return {"rows": float(on.any(-1).sum()), "tokens": float(on.sum()),
+            "signal_rows": float(signal.any(-1).sum()), "signal_tokens": float(signal.sum()),
+            "weight": weight}
+
+
+def _global_counts(counts: list[dict[str, float]], d: Dist) -> list[dict[str, float]]:
+    """Every rank's counts of each minibatch summed over ranks (one all-reduce)."""
+    if not counts:
+        return counts
+    keys = sorted(counts[0])
+    flat = torch.tensor([c[k] for c in counts for k in keys], dtype=torch.float64)
+    total = d.all_reduce(flat, "sum").view(len(counts), len(keys)).tolist()
+    return [dict(zip(keys, row)) for row in total]
 
 
 def _all_finite(loss: torch.Tensor, logprobs: torch.Tensor, old_logprobs: torch.Tensor,

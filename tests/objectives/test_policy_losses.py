@@ -146,6 +146,24 @@ def test_clipping_zeroes_gradient_only_on_the_correct_side(name):
     assert stats["objective/clip_frac_tokens"] == 0.5
 
 
+@pytest.mark.parametrize("name", ["gspo", "gspo_token", "grpo"])
+def test_signal_fractions_leave_zero_advantage_rows_out(name):
+    """A row with Â = 0 is never clipped but counts in the plain fractions; the ``*_signal``
+    fractions count only rows with Â ≠ 0 (and their tokens)."""
+    hi, lo = math.log(1.5), math.log(0.6)
+    lp, old, adv, mask = _two_rows([hi, lo, hi, hi], [1.0, 1.0, 0.0, 0.0])
+    mask[1, 2] = 0.0  # row 1 (with signal, not clipped) has 2 tokens: 5 signal tokens
+    _, _, stats = _grad(OBJECTIVES[name], lp, old, adv, mask, eps_low=0.2, eps_high=0.3)
+    assert stats["objective/clip_frac_seqs"] == 0.25  # 1 of 4 rows
+    assert stats["objective/clip_frac_seqs_signal"] == 0.5  # 1 of the 2 rows with signal
+    torch.testing.assert_close(stats["objective/clip_frac_tokens"], torch.tensor(3 / 11))
+    torch.testing.assert_close(stats["objective/clip_frac_tokens_signal"], torch.tensor(3 / 5))
+    _, _, none = _grad(OBJECTIVES[name], lp, old, torch.zeros_like(adv), mask, eps_low=0.2,
+                       eps_high=0.3)  # no row with signal: 0, as for a batch without rows
+    assert none["objective/clip_frac_seqs_signal"] == 0.0
+    assert none["objective/clip_frac_tokens_signal"] == 0.0
+
+
 def test_grpo_clipping_is_per_token():
     hi, lo, mid = math.log(1.5), math.log(0.6), 0.05
     old = torch.zeros(2, 3, dtype=F64) - 1.0

@@ -65,6 +65,7 @@ def _rollout_batch(model: torch.nn.Module, seed: int) -> UpdateBatch:
                                batch["response_mask"])
     old = (lp + 0.02 * torch.randn(lp.shape, generator=g)) * batch["response_mask"]
     adv = torch.randn(B * G, generator=g)
+    adv[:G] = 0.0  # a group without signal: the signal_* stats must leave it out on every rank
     return UpdateBatch(batch["input_ids"], batch["attention_mask"], batch["response_mask"], old,
                        adv)
 
@@ -77,7 +78,8 @@ def _update(model, batch, objective, dist=None):
     from gspo.config import MoEConfig
     from gspo.objectives import objective_from_config
     from gspo.trainer.moe_hooks import NO_MOE, MoEHooks
-    from gspo.trainer.update import plan_update
+    from gspo.trainer.metrics import mean_stats
+    from gspo.trainer.update import UPDATE_STAT_KINDS, plan_update
 
     hooks = MoEHooks(model, MoEConfig()) if "moe" in type(model).__name__.lower() else NO_MOE
     plan = plan_update(B * G, num_minibatches=objective.num_minibatches, epochs=objective.epochs,
@@ -85,9 +87,10 @@ def _update(model, batch, objective, dist=None):
     result = policy_update(model, opt, sched, batch, plan,
                            objective=objective_from_config(objective), temperature=1.0, chunk=7,
                            grad_clip=1.0, hooks=hooks, dist=dist)
-    stats, skipped = result.stats, result.skipped
-    assert skipped == 0
-    return opt, stats
+    assert result.skipped == 0
+    kinds = {**objective_from_config(objective).stat_kinds, **UPDATE_STAT_KINDS,
+             **hooks.stat_kinds}
+    return opt, [*result.stats, mean_stats(result.stats, kinds, result.counts)]  # + the step's
 
 
 def _rows(batch: UpdateBatch, lo: int, hi: int) -> UpdateBatch:
@@ -255,6 +258,7 @@ def test_a_train_step_under_torchrun_matches_one_process(tmp_path):
                   for k in want["state"])
         assert err < 1e-5, (strategy, err)
         for key in ("reward/mean", "objective/clip_frac_tokens", "rollout/response_len_mean",
+                    "objective/clip_frac_seqs_signal",
                     "train/entropy", "objective/approx_kl", "objective/seq_ratio_std"):
             assert got["metrics"][key] == pytest.approx(want["metrics"][key], rel=1e-4,
                                                         abs=1e-6), key

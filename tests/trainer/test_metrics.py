@@ -98,3 +98,38 @@ def test_mean_stats_reads_kinds_not_names():
     out = mean_stats(stats, {"a_max": "rows", "b": "max", "c": "min"})
     assert out == {"a_max": 2.0, "b": 4.0, "c": 2.0}
     assert mean_stats([], {}) == {}
+
+
+SIGNAL_KINDS = {"objective/clip_frac_seqs_signal": "signal_rows",
+                "objective/clip_frac_tokens_signal": "signal_tokens"}
+
+
+def test_signal_fractions_pool_over_rows_with_signal_only():
+    """Across ranks a ``signal_*`` fraction is weighted by each rank's rows (tokens) with
+    Â ≠ 0, not by all its rows: a rank whose rows all have Â = 0 moves nothing."""
+    c0 = {"rows": 4.0, "tokens": 20.0, "signal_rows": 2.0, "signal_tokens": 8.0, "weight": 4.0}
+    c1 = {"rows": 4.0, "tokens": 20.0, "signal_rows": 0.0, "signal_tokens": 0.0, "weight": 4.0}
+    c2 = {"rows": 2.0, "tokens": 12.0, "signal_rows": 2.0, "signal_tokens": 12.0, "weight": 2.0}
+    s0 = _t({"objective/clip_frac_seqs_signal": 0.5, "objective/clip_frac_tokens_signal": 0.25})
+    s1 = _t({"objective/clip_frac_seqs_signal": 0.0, "objective/clip_frac_tokens_signal": 0.0})
+    s2 = _t({"objective/clip_frac_seqs_signal": 1.0, "objective/clip_frac_tokens_signal": 0.5})
+    out = _pooled([([s0], [c0]), ([s1], [c1]), ([s2], [c2])], SIGNAL_KINDS)
+    for (row,) in out:
+        assert float(row["objective/clip_frac_seqs_signal"]) == pytest.approx(3 / 4)
+        assert float(row["objective/clip_frac_tokens_signal"]) == pytest.approx(8 / 20)
+
+
+def test_mean_stats_weights_signal_fractions_by_each_minibatchs_signal_rows():
+    """Over minibatches the ``signal_*`` kinds are weighted by their rows (tokens) with signal
+    (a minibatch of zero-advantage groups adds nothing); without counts, the plain mean."""
+    stats = [_t({"objective/clip_frac_seqs_signal": s, "objective/clip_frac_tokens_signal": t})
+             for s, t in ((0.5, 0.3), (0.0, 0.0), (1.0, 0.6))]
+    counts = [{"signal_rows": 4.0, "signal_tokens": 10.0},
+              {"signal_rows": 0.0, "signal_tokens": 0.0},
+              {"signal_rows": 2.0, "signal_tokens": 20.0}]
+    out = mean_stats(stats, SIGNAL_KINDS, counts)
+    assert out["objective/clip_frac_seqs_signal"] == pytest.approx((0.5 * 4 + 1.0 * 2) / 6)
+    assert out["objective/clip_frac_tokens_signal"] == pytest.approx((3 + 12) / 30)
+    none = [{"signal_rows": 0.0, "signal_tokens": 0.0}] * 3
+    assert mean_stats(stats, SIGNAL_KINDS, none)["objective/clip_frac_seqs_signal"] == 0.0
+    assert mean_stats(stats, SIGNAL_KINDS)["objective/clip_frac_seqs_signal"] == 0.5
