@@ -67,7 +67,13 @@ from gspo.trainer.checkpoint import (
     set_extra_rng_state,
 )
 from gspo.trainer.diagnostics import StepDiagnostics
-from gspo.trainer.dynamic_sampling import Draw, ZeroSignalWatch, collect, mask_truncated
+from gspo.trainer.dynamic_sampling import (
+    Draw,
+    ZeroSignalWatch,
+    collect,
+    concat_rollouts,
+    mask_truncated,
+)
 from gspo.trainer.evaluate import evaluate
 from gspo.trainer.guard import GuardStop
 from gspo.trainer.host import keep_freed_memory
@@ -227,8 +233,9 @@ class Trainer:
         self.ref_model = self._reference_model() if cfg.objective.beta > 0 else None
         # Before the engine and the optimizer: FSDP2 replaces the parameters with shards.
         self.dist = distributed.prepare(cfg, self.model, self.ref_model)
-        if cfg.rollout.dynamic_sampling and self.dist.enabled:
-            raise ConfigError("rollout.dynamic_sampling runs in one process only for now")
+        if cfg.rollout.dynamic_sampling and self.dist.enabled and cfg.rollout.async_steps:
+            raise ConfigError("rollout.dynamic_sampling with rollout.async_steps > 0 runs in one "
+                              "trainer process only for now (under torchrun: async_steps=0)")
         self._start_engine()  # on the final policy, once the config fits what it can do
         self._choose_passes()
         # The pipeline's process starts at the end of setup, on the restored weights.
@@ -522,22 +529,24 @@ class Trainer:
         return rewards, extra
 
     def advantages(self, rewards: torch.Tensor, roll: Rollout) -> torch.Tensor:
-        """Advantages of this rank's rows, from the global batch's rewards."""
+        """Advantages of this rank's rows, from the global batch's rewards (this rank holds
+        its contiguous share of the batch's groups)."""
         o = self.cfg.objective
         adv = ADVANTAGES[o.advantage](rewards, roll.group_size, scale=o.scale_rewards)
-        first = self.dist.shard(self.cfg.rollout.prompts_per_step)[0] * roll.group_size
+        first = self.dist.shard(len(rewards) // roll.group_size)[0] * roll.group_size
         return adv[first:first + len(roll)].to(self.dist.device)
 
-    def plan(self, roll: Rollout) -> UpdatePlan:
-        """The update's minibatches, drawn before the π_old pass so that pass can skip the
-        rows whose pass the first minibatch's own forward gives (θ = θ_old there when π_old is
+    def plan(self, roll: Rollout, rows: int | None = None) -> UpdatePlan:
+        """The update's minibatches over the global batch's ``rows`` (default: ``roll``'s, the
+        whole batch in one process; dynamic sampling past its cap may hold fewer groups than
+        ``prompts_per_step``), drawn before the π_old pass so that pass can skip the rows
+        whose pass the first minibatch's own forward gives (θ = θ_old there when π_old is
         this step's weights; else the pass is a measurement, e.g. the async staleness drift)."""
         o = self.cfg.objective
         gen = torch.Generator().manual_seed(self.cfg.seed * 7_919 + self.step)
         reuse = (self._recompute_old()
                  and can_reuse_first_forward(self.model, self.dist, self.hooks))
-        # One process: the batch may hold fewer groups (dynamic sampling past its cap).
-        n = self.cfg.rollout.prompts_per_step * roll.group_size if self.dist.enabled else len(roll)
+        n = len(roll) if rows is None else rows
         return plan_update(n,
                            num_minibatches=o.num_minibatches, epochs=o.epochs, generator=gen,
                            old_from_first=reuse, first_is_old=self._old_is_current())
@@ -706,7 +715,7 @@ class Trainer:
         with timer("reward"):
             adv = self.advantages(rewards, roll)
         with timer("old_logprobs"):
-            plan = self.plan(roll)
+            plan = self.plan(roll, rows=len(rewards))
             batch, old = self.update_batch(roll, adv, plan)
         with timer("update"):
             result = self.update(batch, plan)
@@ -734,12 +743,22 @@ class Trainer:
             with timer("rollout"):
                 ex, r = self.rollout(draw=d)
             with timer("reward"):
-                return Draw(ex, r, self.score(ex, r)[0])
+                return self._global_draw(ex, r, self.score(ex, r)[0])
 
         cfg = self.cfg.rollout
-        got = collect(Draw(examples, roll, rewards), draw, prompts_per_step=cfg.prompts_per_step,
-                      max_extra_batches=cfg.dynamic_max_extra_batches,
-                      min_rows=self.cfg.objective.num_minibatches)
+        first = self._global_draw(examples, roll, rewards)
+        # every rank needs at least one group (under torchrun), every minibatch one row
+        min_rows = max(self.cfg.objective.num_minibatches, self.dist.world_size * roll.group_size)
+        got = collect(first, draw, prompts_per_step=cfg.prompts_per_step,
+                      max_extra_batches=cfg.dynamic_max_extra_batches, min_rows=min_rows)
+        if self.dist.enabled:  # every rank chose the same groups: take this rank's share
+            if got.roll is first.roll:  # the first draw, every group kept: the rows as they were
+                return examples, roll, rewards, got.metrics
+            g = roll.group_size
+            lo, hi = self.dist.shard(len(got.examples))
+            mine = got.roll.select(list(range(lo * g, hi * g)))
+            mine.extras = got.roll.extras  # the joined rows' episode metrics (all ranks')
+            return got.examples[lo:hi], mine, got.rewards, got.metrics
         if self.async_rollout is not None and got.roll is not roll:
             # rows of this step's weights joined the pipeline's: staleness over the rows kept
             # (the batch's own episode metrics, recomputed for them, stay as they are)
@@ -748,6 +767,16 @@ class Trainer:
             with timer("old_logprobs"):
                 self._behaviour_pass(got.roll)
         return got.examples, got.roll, got.rewards, got.metrics
+
+    def _global_draw(self, examples: list[Any], roll: Rollout, rewards: torch.Tensor) -> Draw:
+        """A scored draw as dynamic sampling sees it: under torchrun every rank's examples and
+        rows in prompt order (``rewards`` already are the global batch's), so that all ranks
+        keep the same groups, those one process would keep; else this process's own."""
+        if not self.dist.enabled:
+            return Draw(examples, roll, rewards)
+        parts = self.dist.gather_objects((examples, roll))
+        return Draw([ex for part, _ in parts for ex in part],
+                    concat_rollouts([r for _, r in parts]), rewards)
 
     def _behaviour_pass(self, roll: Rollout, *, whole: bool = False) -> None:
         """The trainer's log-prob pass on the behaviour weights for the rows of an extra draw:

@@ -77,8 +77,8 @@ def _update(model, batch, objective, dist=None):
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
     from gspo.config import MoEConfig
     from gspo.objectives import objective_from_config
-    from gspo.trainer.moe_hooks import NO_MOE, MoEHooks
     from gspo.trainer.metrics import mean_stats
+    from gspo.trainer.moe_hooks import NO_MOE, MoEHooks
     from gspo.trainer.update import UPDATE_STAT_KINDS, plan_update
 
     hooks = MoEHooks(model, MoEConfig()) if "moe" in type(model).__name__.lower() else NO_MOE

@@ -255,3 +255,24 @@ def test_dynamic_sampling_with_r3_replays_the_experts_of_every_joined_row(tmp_pa
     rows = [r for r in _rows(t.run_dir) if "dynamic/groups_sampled" in r]
     assert sum(r["dynamic/extra_batches"] for r in rows) > 0  # rows were joined
     assert all(r["moe/rollout_routing_mismatch"] == 0.0 for r in rows)
+
+
+def test_each_rank_takes_its_groups_advantages_when_a_capped_batch_splits_unevenly():
+    """Under torchrun a batch past the cap may hold fewer groups than prompts_per_step; each
+    rank's advantages are its own contiguous groups' of the global batch, split by the
+    batch's group count (2 groups on 2 ranks: one each), not by prompts_per_step."""
+    from types import SimpleNamespace
+
+    from gspo.config import TrainConfig
+    from gspo.objectives import ADVANTAGES
+    from gspo.trainer.distributed import Dist
+
+    cfg = TrainConfig()
+    cfg.rollout.prompts_per_step, g = 4, 2
+    rewards = torch.tensor([0.0, 1.0, 3.0, 5.0])  # 2 groups kept
+    want = ADVANTAGES[cfg.objective.advantage](rewards, g, scale=cfg.objective.scale_rewards)
+    for rank in range(2):
+        me = SimpleNamespace(cfg=cfg, dist=Dist(rank=rank, world_size=2))
+        roll = Rollout([[1]] * g, [[2]] * g, [torch.zeros(1)] * g, [False] * g, g)
+        got = Trainer.advantages(me, rewards, roll)
+        assert torch.equal(got, want[rank * g:(rank + 1) * g])

@@ -33,7 +33,13 @@ COMMON = ["model=tiny:llama", "run_name=r", "progress=false", "tensorboard=false
 REWARD = """
 def char_codes(prompts, completions, **_):
     return [float(sum(map(ord, c)) % 97) for c in completions]
-"""  # differs within almost every group: every step moves the weights (tiny models score 0)
+
+
+def half_flat(prompts, completions, **_):
+    return [float(sum(map(ord, c)) % 97) if sum(map(ord, p)) % 2 else 1.0
+            for p, c in zip(prompts, completions)]
+"""  # char_codes differs within almost every group: every step moves the weights (tiny models
+# score 0); half_flat gives about half the prompts one reward for every response (no signal)
 
 
 def _env(out: Path, world: int) -> dict[str, str]:
@@ -141,6 +147,41 @@ def test_async_under_torchrun_matches_one_process_and_resumes(tmp_path, strategy
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 2
     assert "sampled by 2 trainer process(es)" in proc.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy,model", [("ddp", "tiny:llama"), ("fsdp2", "tiny:qwen3_moe")])
+def test_dynamic_sampling_under_torchrun_matches_one_process_and_resumes(tmp_path, strategy,
+                                                                         model):
+    """DAPO dynamic sampling on 2 ranks: every rank sees every rank's groups of each draw,
+    keeps the ones one process keeps and trains on its share of them, so the run ends on the
+    one-process run's weights (< 1e-5, as above) with the same draws, groups and rewards,
+    also on steps that reach the cap with fewer groups than prompts_per_step (split unevenly
+    over the ranks). Killed after step 2 and resumed on 2 ranks: bit for bit."""
+    extra = ["rollout.dynamic_sampling=true", "rollout.dynamic_max_extra_batches=1",
+             "reward.functions=[async_reward:half_flat]", "logging.rollout_check_every=0",
+             f"dist.strategy={strategy}", f"model={model}", "steps=4"]
+    one = _train(tmp_path / "one", *extra, world=1)
+    two = _train(tmp_path / "two", *extra)
+    assert _max_diff(_weights(one, 4), _weights(two, 4)) < 1e-5
+    assert _max_diff(_weights(one, 4), _weights(one, 3)) > 1e-4  # the last step moved them
+    rows_one, rows_two = _rows(one), _rows(two)
+    keys = ["dynamic/extra_batches", "dynamic/groups_kept", "dynamic/groups_sampled",
+            "dynamic/sampled_reward_mean", "reward/mean", "reward/frac_groups_zero_std",
+            "rollout/response_len_mean", "objective/clip_frac_seqs_signal"]
+    for a, b in zip(rows_one, rows_two):
+        for key in keys:
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+    kept = [r["dynamic/groups_kept"] for r in rows_two]
+    assert max(r["dynamic/extra_batches"] for r in rows_two) == 1  # extra draws ran
+    assert min(kept) < 4, kept  # the cap: fewer groups than prompts_per_step
+    crashed = tmp_path / "crashed" / "r"
+    shutil.copytree(two, crashed)
+    shutil.rmtree(crashed / "checkpoints" / "step_000004")
+    (crashed / "checkpoints" / "latest").write_text("step_000003")
+    resumed = _train(crashed.parent, *extra, f"resume={crashed}")
+    assert _max_diff(_weights(resumed, 4), _weights(two, 4)) == 0.0
+    assert [r["train/loss"] for r in _rows(resumed)] == [r["train/loss"] for r in rows_two]
 
 
 @pytest.mark.slow
