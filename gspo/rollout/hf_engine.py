@@ -23,11 +23,37 @@ PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}  # rollout.precision -> the 
 
 def low_precision_copy(model: Any, dtype: torch.dtype) -> Any:
     """A frozen copy of ``model`` in eval mode with every parameter cast to ``dtype``
-    (buffers keep theirs; tied parameters stay tied)."""
-    twin = copy.deepcopy(model).eval()
+    (buffers keep theirs; tied parameters stay tied). An FSDP2 policy, which cannot be
+    deep-copied, is rebuilt from its class and config and filled from its weights, which the
+    caller has gathered (``Dist.full_weights``)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    twin = (_rebuilt(model) if isinstance(model, FSDPModule) else copy.deepcopy(model)).eval()
     for p in twin.parameters():
         p.requires_grad_(False)
         p.data = p.data.to(dtype)
+    return twin
+
+
+def _rebuilt(model: Any) -> Any:
+    """A plain (unsharded) model of an FSDP2 policy's own class, holding its gathered weights
+    and buffers, matched by name."""
+    from torch.distributed.fsdp import FSDPModule
+
+    cls = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
+    with torch.device("meta"):
+        twin = cls(model.config)
+    src = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    twin = twin.to_empty(device=next(iter(src.values())).device)
+    if hasattr(twin, "tie_weights"):
+        twin.tie_weights()  # to_empty gives tied parameters a tensor each
+    dst = {**dict(twin.named_parameters()), **dict(twin.named_buffers())}
+    if dst.keys() != src.keys():
+        raise RuntimeError(f"rollout.precision=bf16 with FSDP2: {cls.__name__}(config) does not "
+                           "rebuild the policy's modules; use dist.strategy=ddp")
+    with torch.no_grad():
+        for name, t in [*twin.named_parameters(), *twin.named_buffers()]:
+            t.copy_(src[name])
     return twin
 
 

@@ -233,9 +233,6 @@ class Trainer:
         self.ref_model = self._reference_model() if cfg.objective.beta > 0 else None
         # Before the engine and the optimizer: FSDP2 replaces the parameters with shards.
         self.dist = distributed.prepare(cfg, self.model, self.ref_model)
-        if cfg.rollout.dynamic_sampling and self.dist.enabled and cfg.rollout.async_steps:
-            raise ConfigError("rollout.dynamic_sampling with rollout.async_steps > 0 runs in one "
-                              "trainer process only for now (under torchrun: async_steps=0)")
         self._start_engine()  # on the final policy, once the config fits what it can do
         self._choose_passes()
         # The pipeline's process starts at the end of setup, on the restored weights.
@@ -297,7 +294,8 @@ class Trainer:
         # async: the engine runs in the pipeline's process; here only for dynamic sampling's
         # extra draws, which sample this step's weights (see :meth:`rollout`)
         if cfg.rollout.async_steps == 0 or cfg.rollout.dynamic_sampling:
-            self.engine = build_engine(cfg.rollout.engine, self.model, self.tokenizer, opts)
+            with self.dist.full_weights(self.model):  # FSDP2: a copy (bf16) needs them whole
+                self.engine = build_engine(cfg.rollout.engine, self.model, self.tokenizer, opts)
 
     def _choose_passes(self) -> None:
         """The log-prob pass every phase uses. Shared-prompt packing runs each prompt once
@@ -662,8 +660,10 @@ class Trainer:
                                                          cfg.rollout.max_new_tokens))
 
     def sync(self) -> None:
-        """The next rollout samples from the updated policy."""
-        self.engine.sync_weights(self.model)
+        """The next rollout samples from the updated policy (FSDP2: from its gathered weights,
+        for an engine with a copy of its own)."""
+        with self.dist.full_weights(self.model):
+            self.engine.sync_weights(self.model)
 
     def step_metrics(self, rewards: torch.Tensor, roll: Rollout, batch: UpdateBatch,
                      old: OldPolicy, result: UpdateResult, timer: PhaseTimer
@@ -751,22 +751,23 @@ class Trainer:
         min_rows = max(self.cfg.objective.num_minibatches, self.dist.world_size * roll.group_size)
         got = collect(first, draw, prompts_per_step=cfg.prompts_per_step,
                       max_extra_batches=cfg.dynamic_max_extra_batches, min_rows=min_rows)
-        if self.dist.enabled:  # every rank chose the same groups: take this rank's share
-            if got.roll is first.roll:  # the first draw, every group kept: the rows as they were
-                return examples, roll, rewards, got.metrics
-            g = roll.group_size
-            lo, hi = self.dist.shard(len(got.examples))
-            mine = got.roll.select(list(range(lo * g, hi * g)))
-            mine.extras = got.roll.extras  # the joined rows' episode metrics (all ranks')
-            return got.examples[lo:hi], mine, got.rewards, got.metrics
-        if self.async_rollout is not None and got.roll is not roll:
+        if got.roll is first.roll:  # the first draw, every group kept: the rows as they were
+            return examples, roll, rewards, got.metrics
+        joined, kept = got.roll, got.examples
+        if self.async_rollout is not None:
             # rows of this step's weights joined the pipeline's: staleness over the rows kept
-            # (the batch's own episode metrics, recomputed for them, stay as they are)
-            got.roll.extras = {**roll.extras, **staleness_metrics(self.step, got.roll.versions),
-                               **got.roll.extras}
+            # (all ranks'; the joined rows' episode metrics, recomputed for them, stay)
+            joined.extras = {**roll.extras, **staleness_metrics(self.step, joined.versions),
+                             **joined.extras}
+        if self.dist.enabled:  # every rank chose the same groups: this rank's share of them
+            g, extras = roll.group_size, joined.extras
+            lo, hi = self.dist.shard(len(kept))
+            joined, kept = joined.select(list(range(lo * g, hi * g))), kept[lo:hi]
+            joined.extras = extras
+        if self.async_rollout is not None:
             with timer("old_logprobs"):
-                self._behaviour_pass(got.roll)
-        return got.examples, got.roll, got.rewards, got.metrics
+                self._behaviour_pass(joined)
+        return kept, joined, got.rewards, got.metrics
 
     def _global_draw(self, examples: list[Any], roll: Rollout, rewards: torch.Tensor) -> Draw:
         """A scored draw as dynamic sampling sees it: under torchrun every rank's examples and
@@ -786,19 +787,22 @@ class Trainer:
         experts (an MoE policy: they join the batch in the draw's own layout)."""
         was_training = self.model.training
         self.model.eval()
+        # FSDP2: the ranks' passes differ in rows, so no per-layer all-gathers (every rank
+        # comes here on the same steps: the draws and the groups kept are the same on all)
         try:
-            if whole:
-                rows, roll.trainer_routing = trainer_pass(self.model, roll,
-                                                          self.async_rollout.recompute)
-                roll.trainer_logprobs = [torch.tensor(lp, dtype=torch.float32) for lp in rows]
-                return
-            lps = roll.trainer_logprobs
-            todo = [] if lps is None else [i for i, lp in enumerate(lps) if lp is None]
-            if todo:
-                rows, _ = trainer_pass(self.model, roll.select(todo),
-                                       self.async_rollout.recompute)
-                for i, lp in zip(todo, rows):
-                    lps[i] = torch.tensor(lp, dtype=torch.float32)
+            with self.dist.full_weights(self.model):
+                if whole:
+                    rows, roll.trainer_routing = trainer_pass(self.model, roll,
+                                                              self.async_rollout.recompute)
+                    roll.trainer_logprobs = [torch.tensor(lp, dtype=torch.float32) for lp in rows]
+                    return
+                lps = roll.trainer_logprobs
+                todo = [] if lps is None else [i for i, lp in enumerate(lps) if lp is None]
+                if todo:
+                    rows, _ = trainer_pass(self.model, roll.select(todo),
+                                           self.async_rollout.recompute)
+                    for i, lp in zip(todo, rows):
+                        lps[i] = torch.tensor(lp, dtype=torch.float32)
         finally:
             self.model.train(was_training)
 

@@ -150,17 +150,24 @@ def test_async_under_torchrun_matches_one_process_and_resumes(tmp_path, strategy
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy,model", [("ddp", "tiny:llama"), ("fsdp2", "tiny:qwen3_moe")])
+@pytest.mark.parametrize("strategy,model,k", [("ddp", "tiny:llama", 0),
+                                              ("fsdp2", "tiny:qwen3_moe", 0),
+                                              ("ddp", "tiny:llama", 1),
+                                              ("fsdp2", "tiny:qwen3_moe", 1)])
 def test_dynamic_sampling_under_torchrun_matches_one_process_and_resumes(tmp_path, strategy,
-                                                                         model):
+                                                                         model, k):
     """DAPO dynamic sampling on 2 ranks: every rank sees every rank's groups of each draw,
     keeps the ones one process keeps and trains on its share of them, so the run ends on the
     one-process run's weights (< 1e-5, as above) with the same draws, groups and rewards,
     also on steps that reach the cap with fewer groups than prompts_per_step (split unevenly
-    over the ranks). Killed after step 2 and resumed on 2 ranks: bit for bit."""
+    over the ranks). With k = 1 the first draw comes from each rank's engine process and the
+    extra draws from the rank itself, on the step's weights (same staleness as one process;
+    the trainer's pass on the kept rows runs on every rank, FSDP2 on gathered weights).
+    Killed after step 3 and resumed on 2 ranks: bit for bit."""
     extra = ["rollout.dynamic_sampling=true", "rollout.dynamic_max_extra_batches=1",
-             "reward.functions=[async_reward:half_flat]", "logging.rollout_check_every=0",
-             f"dist.strategy={strategy}", f"model={model}", "steps=4"]
+             "reward.functions=[async_reward:half_flat]", f"rollout.async_steps={k}",
+             f"logging.rollout_check_every={k}", f"dist.strategy={strategy}",
+             f"model={model}", "steps=4"]
     one = _train(tmp_path / "one", *extra, world=1)
     two = _train(tmp_path / "two", *extra)
     assert _max_diff(_weights(one, 4), _weights(two, 4)) < 1e-5
@@ -169,6 +176,8 @@ def test_dynamic_sampling_under_torchrun_matches_one_process_and_resumes(tmp_pat
     keys = ["dynamic/extra_batches", "dynamic/groups_kept", "dynamic/groups_sampled",
             "dynamic/sampled_reward_mean", "reward/mean", "reward/frac_groups_zero_std",
             "rollout/response_len_mean", "objective/clip_frac_seqs_signal"]
+    if k:
+        keys += ["async/staleness_mean", "async/staleness_drift_abs_max"]
     for a, b in zip(rows_one, rows_two):
         for key in keys:
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
@@ -182,6 +191,24 @@ def test_dynamic_sampling_under_torchrun_matches_one_process_and_resumes(tmp_pat
     resumed = _train(crashed.parent, *extra, f"resume={crashed}")
     assert _max_diff(_weights(resumed, 4), _weights(two, 4)) == 0.0
     assert [r["train/loss"] for r in _rows(resumed)] == [r["train/loss"] for r in rows_two]
+
+
+@pytest.mark.slow
+def test_a_bf16_rollout_copy_under_fsdp2_matches_one_process(tmp_path):
+    """rollout.precision=bf16 under FSDP2: each rank's bf16 copy is rebuilt from the policy's
+    class and its gathered weights (FSDP2 modules cannot be deep-copied; this was an
+    AssertionError at setup) and re-synced from them after every update. The run trains to
+    the one-process run's weights (< 1e-5) with the same engine mismatch."""
+    extra = ["rollout.precision=bf16", "dist.strategy=fsdp2", "steps=3",
+             "logging.rollout_check_every=0"]
+    one = _train(tmp_path / "one", *extra, world=1)
+    two = _train(tmp_path / "two", *extra)
+    assert _max_diff(_weights(one, 3), _weights(two, 3)) < 1e-5
+    assert _max_diff(_weights(one, 3), _weights(one, 2)) > 1e-4
+    for a, b in zip(_rows(one), _rows(two)):
+        assert b["mismatch/seq_log_ratio_abs_p50"] > 0  # the bf16 copy is another engine
+        for key in ("mismatch/seq_log_ratio_abs_p50", "mismatch/k3_kl", "reward/mean"):
+            assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-7), key
 
 
 @pytest.mark.slow
