@@ -52,6 +52,7 @@ import torch.multiprocessing as mp
 
 from gspo.models.lora import is_peft
 from gspo.models.moe import capture_routing
+from gspo.models.twin import meta_twin
 from gspo.rollout.batch import Rollout, join_routing, pad_batch, share
 from gspo.rollout.engine import EngineOptions, build_engine, engine_capabilities
 from gspo.rollout.multiturn import engine_sampler
@@ -104,14 +105,13 @@ def _skeleton(model: torch.nn.Module) -> bytes:
     from torch.distributed.fsdp import FSDPModule
 
     if isinstance(model, FSDPModule):
-        cls = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
-        with torch.device("meta"):
-            twin = cls(model.config)
+        twin = meta_twin(model)
         have = {(m, a): tuple(t.shape) for m, a, _, t in _named_tensors(twin)}
         want = {(m, a): tuple(t.shape) for m, a, _, t in _named_tensors(model)}
         if not want.items() <= have.items():
-            raise RuntimeError(f"rollout.async_steps with FSDP2: {cls.__name__}(config) does "
-                               "not rebuild the policy's modules; use dist.strategy=ddp")
+            raise RuntimeError(f"rollout.async_steps with FSDP2: {type(twin).__name__} "
+                               "rebuilt from its config does not have the policy's modules; "
+                               "use dist.strategy=ddp")
     else:
         memo: dict[int, Any] = {}
         for _, _, is_param, t in _named_tensors(model):

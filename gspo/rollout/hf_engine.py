@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from gspo.models.tokens import eos_ids
+from gspo.models.twin import meta_twin
 from gspo.rollout.batch import Rollout
 from gspo.rollout.engine import ENGINES, EngineCapabilities, EngineOptions
 from gspo.rollout.sampler import SamplingParams, generate
@@ -36,23 +37,20 @@ def low_precision_copy(model: Any, dtype: torch.dtype) -> Any:
 
 
 def _rebuilt(model: Any) -> Any:
-    """A plain (unsharded) model of an FSDP2 policy's own class, holding its gathered weights
-    and buffers, matched by name."""
-    from torch.distributed.fsdp import FSDPModule
-
-    cls = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
-    with torch.device("meta"):
-        twin = cls(model.config)
+    """A plain (unsharded) model of an FSDP2 policy's own architecture, holding its gathered
+    weights and buffers, matched by name."""
+    twin = meta_twin(model)
     src = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     twin = twin.to_empty(device=next(iter(src.values())).device)
     if hasattr(twin, "tie_weights"):
         twin.tie_weights()  # to_empty gives tied parameters a tensor each
     dst = {**dict(twin.named_parameters()), **dict(twin.named_buffers())}
     if dst.keys() != src.keys():
-        raise RuntimeError(f"rollout.precision=bf16 with FSDP2: {cls.__name__}(config) does not "
-                           "rebuild the policy's modules; use dist.strategy=ddp")
+        raise RuntimeError(f"rollout.precision=bf16 with FSDP2: {type(twin).__name__} rebuilt "
+                           "from its config does not have the policy's tensors; use "
+                           "dist.strategy=ddp")
     with torch.no_grad():
-        for name, t in [*twin.named_parameters(), *twin.named_buffers()]:
+        for name, t in dst.items():
             t.copy_(src[name])
     return twin
 
