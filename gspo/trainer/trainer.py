@@ -288,9 +288,11 @@ class Trainer:
         caps = engine_capabilities(cfg.rollout.engine, opts)
         self.hooks = policy_hooks(self.model, cfg.moe, caps, engine=cfg.rollout.engine,
                                   name=cfg.model)
-        if self.dist.enabled and not caps.per_rank:
+        # async: each rank's engine runs in a process of its own, outside torchrun's world
+        if self.dist.enabled and not caps.per_rank and cfg.rollout.async_steps == 0:
             raise ConfigError(f"rollout.engine={cfg.rollout.engine} runs in one process only "
-                              "for now; use rollout.engine=hf under torchrun")
+                              "for now; use rollout.engine=hf under torchrun, or "
+                              "rollout.async_steps > 0 (an engine process per rank)")
         # async: the engine runs in the pipeline's process; here only for dynamic sampling's
         # extra draws, which sample this step's weights (see :meth:`rollout`)
         if cfg.rollout.async_steps == 0 or cfg.rollout.dynamic_sampling:

