@@ -220,6 +220,7 @@ class Trainer:
         else:
             self.task = build_task(cfg.task, cfg.seed)
         ADVANTAGES.get(cfg.objective.advantage)
+        from_checkpoint = self.model is None and resume_ckpt is not None and not cfg.lora.r
         self._load_policy(resume_ckpt)
         if cfg.reward.overlong_buffer:  # needs the tokenizer, hence after the model
             self.scorer = add_overlong(self.scorer, max_tokens=cfg.rollout.max_new_tokens,
@@ -230,7 +231,8 @@ class Trainer:
             self.scorer.isolate(self.reward_specs, memory_mb=cfg.reward.memory_mb)
         self.eos, self.pad_id = eos_ids(self.model, self.tokenizer), self.tokenizer.pad_token_id
         self.turns = TurnLoop.from_config(cfg.rollout, cfg.task, self.tokenizer)
-        self.ref_model = self._reference_model() if cfg.objective.beta > 0 else None
+        self.ref_model = (self._reference_model(resumed=from_checkpoint)
+                          if cfg.objective.beta > 0 else None)
         # Before the engine and the optimizer: FSDP2 replaces the parameters with shards.
         self.dist = distributed.prepare(cfg, self.model, self.ref_model)
         self._start_engine()  # on the final policy, once the config fits what it can do
@@ -373,12 +375,19 @@ class Trainer:
             raise FileNotFoundError(f"resume: no complete checkpoint in {self.cfg.resume}")
         return ckpt
 
-    def _reference_model(self) -> Any:
+    def _reference_model(self, *, resumed: bool) -> Any:
         """A frozen copy of the initial policy; None for a LoRA policy, whose reference is the
-        same model with its adapter disabled (see gspo.models.lora.reference_logprobs)."""
+        same model with its adapter disabled (see gspo.models.lora.reference_logprobs).
+        ``resumed``: the policy was loaded from a checkpoint, so it holds that step's weights
+        and the initial policy is loaded again from ``cfg.model``."""
         if is_peft(self.model):
             return None
-        ref = copy.deepcopy(self.model).eval()
+        if resumed:
+            ref, _ = load_model(self.cfg.model, dtype=getattr(torch, self.cfg.dtype),
+                                seed=self.cfg.seed)
+        else:
+            ref = copy.deepcopy(self.model)
+        ref.eval()
         for p in ref.parameters():
             p.requires_grad_(False)
         return ref

@@ -17,6 +17,7 @@ import json
 import os
 import queue
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -385,3 +386,33 @@ def test_resume_cuts_the_logs_back_to_the_checkpoint(tmp_path):
     resumed.train()
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3] and "train/loss" in rows[-1]
+
+
+def test_a_resumed_run_keeps_the_initial_policy_as_its_kl_reference(tmp_path):
+    """With objective.beta > 0 the KL term pulls towards the initial policy. A resumed run
+    loads the policy from its checkpoint, so its reference must be loaded again from the
+    initial model, not copied from the resumed weights (which it was: the resumed run's
+    `objective/kl_ref` restarted near 0 and the weights left the uninterrupted run's)."""
+    def cfg(out, *extra):
+        return load_config(None, [
+            "model=tiny:llama", f"output_dir={out}", "run_name=r", "progress=false",
+            "tensorboard=false", "num_threads=1", "rollout.max_new_tokens=4",
+            "rollout.prompts_per_step=2", "rollout.group_size=4", "objective.num_minibatches=2",
+            "task.eval_size=0", "eval_before=false", "save_every=1", "keep_checkpoints=5",
+            "objective.beta=0.05", "optim.lr=1e-3", "rollout.temperature=1.0", *extra])
+
+    whole = Trainer(cfg(tmp_path / "whole", "steps=3")).setup()
+    whole.train()
+    cut = tmp_path / "cut" / "r"
+    shutil.copytree(whole.run_dir, cut)
+    shutil.rmtree(cut / "checkpoints" / "step_000003")
+    (cut / "checkpoints" / "latest").write_text("step_000002")
+    resumed = Trainer(cfg(tmp_path / "cut", "steps=3", f"resume={cut}")).setup()
+    resumed.train()
+    rows = [[json.loads(x) for x in open(d / "metrics.jsonl") if "train/loss" in x]
+            for d in (whole.run_dir, cut)]
+    assert rows[0][-1]["objective/kl_ref"] > 0
+    assert rows[1][-1]["objective/kl_ref"] == rows[0][-1]["objective/kl_ref"]
+    a, b = (load_file(d / "checkpoints/step_000003/model.safetensors")
+            for d in (whole.run_dir, cut))
+    assert all(torch.equal(a[k], b[k]) for k in a)
