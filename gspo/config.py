@@ -583,9 +583,6 @@ def validate(cfg: TrainConfig) -> None:
         check_engine_address(address, "rollout.async_address")
     _check(r.async_steps == 0 or r.engine in ("hf", "vllm"),
            f"rollout.async_steps > 0 runs rollout.engine=hf or vllm, not {r.engine}")
-    _check(r.async_steps == 0 or not r.dynamic_sampling or r.engine == "hf",
-           "rollout.dynamic_sampling with rollout.async_steps > 0 samples its extra draws in "
-           f"the trainer process, with rollout.engine=hf only (not {r.engine})")
     _check(o.eps_low >= 0 and o.eps_high >= 0, "objective.eps_low/eps_high must be >= 0")
     _check(o.eps_low < 1, "objective.eps_low must be < 1")
     _check(o.beta >= 0, "objective.beta must be >= 0")

@@ -209,6 +209,13 @@ class Request:
     # multi-turn rollouts (rollout.max_turns > 1): each prompt's task example, which resets
     # its rows' environments in the engine process (see run_engine's ``turns``)
     examples: list[Any] | None = None
+    # dynamic sampling's extra draw d > 0 of ``step`` (on ``version`` = that step's weights);
+    # its batch comes back under the key (step, draw), the pipeline's (draw 0) under step
+    draw: int = 0
+
+    @property
+    def key(self) -> int | tuple[int, int]:
+        return self.step if self.draw == 0 else (self.step, self.draw)
 
 
 @dataclass(frozen=True)
@@ -389,7 +396,7 @@ def run_engine(skeleton: bytes, entries: list[_Entry], slots: list[dict[str, tor
                device: torch.device, turns: Any = None) -> None:
     """The engine's loop, wherever its weights and requests come from: one model per slot (on
     the CPU) or one device model loaded from the slot a batch needs (GPU), then batches in the
-    order they were asked, each ``put("batch", (step, encoded rollout))``; any failure is
+    order they were asked, each ``put("batch", (request key, encoded rollout))``; any failure is
     ``put("error", traceback)``. ``slot_version(slot, wanted)`` is the version a slot holds
     (a transport that receives weights may first wait for ``wanted``; None: do not wait).
     ``turns`` (a :class:`gspo.rollout.multiturn.TurnLoop`): requests that carry their examples
@@ -427,7 +434,7 @@ def run_engine(skeleton: bytes, entries: list[_Entry], slots: list[dict[str, tor
                 if slot_version(slot, None) != req.version:  # overwritten while sampling
                     raise RuntimeError(f"slot {slot} was overwritten while sampling step "
                                        f"{req.step}")
-                put("batch", (req.step, _encode(roll, tlp, routing, req.version,
+                put("batch", (req.key, _encode(roll, tlp, routing, req.version,
                                                 time.perf_counter() - start, sampler.sync_s)))
     except BaseException:  # the trainer raises it with this text (see AsyncEngine.take)
         put("error", traceback.format_exc())

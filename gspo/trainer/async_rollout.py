@@ -117,8 +117,9 @@ class AsyncRollout:
         self.engine: AsyncEngine | RemoteEngine | _Engines | None = None
         self.submitted = 0  # batches 0 … submitted-1 have been drawn and asked for
         self.floor = 0  # the oldest version the engine was given (resume: the checkpoint's)
-        self.inflight: dict[int, list[Example]] = {}
-        self.ready: dict[int, tuple[list[Example], dict[str, Any]]] = {}
+        # by request key: a step (its pipeline batch), or (step, draw) for an extra draw
+        self.inflight: dict[int | tuple[int, int], list[Example]] = {}
+        self.ready: dict[int | tuple[int, int], tuple[list[Example], dict[str, Any]]] = {}
 
     def start(self, model: Any, tokenizer: Any, *, version: int) -> None:
         """Start the engine process on ``model``'s weights, policy version ``version``."""
@@ -154,8 +155,8 @@ class AsyncRollout:
             self.submitted = b + 1
 
     def _take_one(self) -> None:
-        step, enc = self.engine.take()
-        self.ready[step] = (self.inflight.pop(step), enc)
+        key, enc = self.engine.take()
+        self.ready[key] = (self.inflight.pop(key), enc)
 
     def next(self, step: int) -> tuple[list[Example], Rollout]:
         """The batch of ``step``; its staleness and the engine's time in ``Rollout.extras``."""
@@ -174,6 +175,20 @@ class AsyncRollout:
                        "async/engine_sync_s": enc.get("sync_s", 0.0),
                        **staleness_metrics(step, roll.versions)}
         return examples, roll
+
+    def extra(self, step: int, draw: int, examples: list[Example], req: Request) -> Rollout:
+        """Dynamic sampling's extra draw ``draw`` of ``step``, sampled by the engine process
+        on this step's weights (version ``step``, the newest published), after the batches
+        already asked for (FIFO). Its rows carry that version, and the trainer's pass on it
+        when this step's batch does."""
+        key = (step, draw)
+        self.engine.submit(dataclasses.replace(
+            req, version=step, recompute=self.check(step), draw=draw,
+            examples=examples if self.turns is not None else None))
+        self.inflight[key] = examples
+        while key not in self.ready:
+            self._take_one()
+        return decode(self.ready.pop(key)[1])
 
     def publish(self, model: Any, version: int) -> float:
         return self.engine.publish(model, version)

@@ -297,7 +297,8 @@ class Trainer:
                               "rollout.async_steps > 0 (an engine process per rank)")
         # async: the engine runs in the pipeline's process; here only for dynamic sampling's
         # extra draws, which sample this step's weights (see :meth:`rollout`)
-        if cfg.rollout.async_steps == 0 or cfg.rollout.dynamic_sampling:
+        if cfg.rollout.async_steps == 0 or (cfg.rollout.dynamic_sampling
+                                            and self._extra_draws_here()):
             with self.dist.full_weights(self.model):  # FSDP2: a copy (bf16) needs them whole
                 self.engine = build_engine(cfg.rollout.engine, self.model, self.tokenizer, opts)
 
@@ -468,13 +469,16 @@ class Trainer:
         ``group_size`` samples each, from the rollout engine. ``draw``: the how-many-th
         rollout batch of this step (dynamic sampling draws more than one). Async: from the
         pipeline, which drew them earlier (its ``async/*`` timings and staleness in
-        ``Rollout.extras``); dynamic sampling's extra draws (``draw > 0``) are sampled here, by
-        this process's engine on this step's weights: staleness 0, the rows' version this
-        step, and their ``trainer_logprobs`` left None until :meth:`refill` knows which rows
-        it keeps (on the steps the pipeline's batch carries them)."""
+        ``Rollout.extras``); dynamic sampling's extra draws (``draw > 0``) are sampled on this
+        step's weights (staleness 0, the rows' version this step): here, by this process's
+        engine, their ``trainer_logprobs`` left None until :meth:`refill` knows which rows it
+        keeps (on the steps the pipeline's batch carries them), or for vLLM by the engine
+        process, with its pass on them (see :meth:`_extra_draws_here`)."""
         if self.async_rollout is not None and draw == 0:
             return self.async_rollout.next(self.step)
         examples, req = self._request(self.step, draw)
+        if self.async_rollout is not None and not self._extra_draws_here():
+            return examples, self.async_rollout.extra(self.step, draw, examples, req)
         if self.async_rollout is not None and not self.engine_current:
             if not self.engine.capabilities.shares_policy_weights:  # e.g. a bf16 copy
                 self.sync()
@@ -494,6 +498,13 @@ class Trainer:
                 else:  # run once the rows kept are known (refill)
                     roll.trainer_logprobs = [None] * len(roll)  # type: ignore[list-item]
         return examples, roll
+
+    def _extra_draws_here(self) -> bool:
+        """Dynamic sampling with ``async_steps > 0``: whether this process samples the extra
+        draws, with an ``hf`` engine of its own beside the pipeline (the trainer's threads,
+        no wait), or asks the engine process for them on this step's weights, after the
+        batches it already has (``vllm``: a second vLLM cannot start here)."""
+        return self.cfg.rollout.engine == "hf"
 
     def _request(self, step: int, draw: int = 0) -> tuple[list[Any], Request]:
         """The prompts of ``step``'s ``draw``-th rollout batch (drawn from the task: call once

@@ -237,18 +237,64 @@ def test_a_lora_async_run_with_the_vllm_engine(tmp_path):
     assert rows[-1]["async/staleness_drift_abs_max"] > 1e-3  # the adapter moved between
 
 
+def _flat_first_group(prompts, completions, **_):
+    """No reward variance in a batch's first group: dynamic sampling draws again every step."""
+    return [0.0 if p == prompts[0] else float(sum(map(ord, c)) % 97)
+            for p, c in zip(prompts, completions)]
+
+
+def test_dynamic_sampling_with_async_vllm_draws_again_in_the_engine_process(tmp_path):
+    """``rollout.dynamic_sampling`` with ``async_steps=1`` and vLLM: no vLLM in the trainer
+    process; each extra draw is sampled by the engine process's vLLM on this step's weights
+    (the newest version published), so its rows have staleness 0 beside the pipeline's 1,
+    and vLLM's log-probs on them are the trainer's pass on that version (< 1e-4)."""
+    import json
+
+    from gspo.config import load_config
+    from gspo.trainer import Trainer
+
+    tiny_llama(tmp_path / "model", seed=1)
+    cfg = load_config(None, [
+        f"model={tmp_path / 'model'}", f"output_dir={tmp_path}", "run_name=dyn",
+        "progress=false", "rollout.engine=vllm", "rollout.vllm_memory_fraction=0.2",
+        "rollout.max_new_tokens=6", "rollout.prompts_per_step=2", "rollout.group_size=4",
+        "rollout.temperature=1.0", "task.eval_size=0", "eval_before=false", "optim.lr=1e-2",
+        "steps=3", "save_every=3", "objective.num_minibatches=2", "rollout.async_steps=1",
+        "rollout.dynamic_sampling=true", "logging.rollout_check_every=1",
+        "tensorboard=false"])
+    trainer = Trainer(cfg, reward_fns=[_flat_first_group]).setup()
+    try:
+        assert trainer.engine is None  # no vLLM in the trainer process
+        trainer.train()
+    finally:
+        trainer.cleanup()
+    rows = [json.loads(x) for x in open(trainer.run_dir / "metrics.jsonl") if "train/loss" in x]
+    assert all(r["dynamic/extra_batches"] >= 1 and r["dynamic/groups_kept"] == 2 for r in rows)
+    assert [r["async/staleness_max"] for r in rows] == [0, 1, 1]
+    assert [r["async/staleness_min"] for r in rows] == [0, 0, 0]  # the extra draw's rows
+    assert max(r["async/engine_mismatch_abs_max"] for r in rows) < 1e-4
+
+
 VLLM_TORCHRUN_REWARD = """
 def char_codes(prompts, completions, **_):
     return [float(sum(map(ord, c)) % 97) for c in completions]
+
+
+def half_flat(prompts, completions, **_):
+    return [float(sum(map(ord, c)) % 97) if sum(map(ord, p)) % 2 else 1.0
+            for p, c in zip(prompts, completions)]
 """
 
 
-def test_async_vllm_engines_under_torchrun_train_as_one_process(tmp_path):
+@pytest.mark.parametrize("dynamic", [False, True], ids=["plain", "dynamic"])
+def test_async_vllm_engines_under_torchrun_train_as_one_process(tmp_path, dynamic):
     """A 2-rank torchrun trainer at ``rollout.async_steps=1`` with ``rollout.engine=vllm``:
     each rank's engine process runs a vLLM of its own for that rank's share of the prompts.
     The samples are one process's (same rewards at every step: vLLM seeds per prompt), each
     vLLM's log-probs are its trainer's pass on the same version (< 1e-4), and the run trains
-    to the one-process run's weights (< 1e-5 at lr 1e-4, the gradient all-reduce's order)."""
+    to the one-process run's weights (< 1e-5 at lr 1e-4, the gradient all-reduce's order).
+    With dynamic sampling each rank asks its engine process for its share of the extra
+    draws, and all ranks keep the groups one process keeps."""
     import json
     import os
     import subprocess
@@ -267,8 +313,10 @@ def test_async_vllm_engines_under_torchrun_train_as_one_process(tmp_path):
             "rollout.temperature=1.0", "task.eval_size=0", "eval_before=false",
             "optim.lr=1e-4", "steps=3", "save_every=3", "objective.old_logprobs=rollout",
             "objective.num_minibatches=2", "rollout.async_steps=1",
-            "logging.rollout_check_every=1", "tensorboard=false",
-            "reward.functions=[rw:char_codes]"]
+            "logging.rollout_check_every=1", "tensorboard=false"]
+    args += (["rollout.dynamic_sampling=true", "rollout.dynamic_max_extra_batches=1",
+              "rollout.prompts_per_step=4", "reward.functions=[rw:half_flat]"] if dynamic
+             else ["reward.functions=[rw:char_codes]"])
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                 "--standalone", "-m", "gspo"]
     for name, launcher, run_env in (
@@ -280,7 +328,12 @@ def test_async_vllm_engines_under_torchrun_train_as_one_process(tmp_path):
         assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {n: [json.loads(x) for x in open(tmp_path / n / "metrics.jsonl") if "train/loss" in x]
             for n in ("one", "two")}
-    assert [r["reward/mean"] for r in rows["two"]] == [r["reward/mean"] for r in rows["one"]]
+    keys = ["reward/mean", "dynamic/groups_kept", "async/staleness_mean"] if dynamic else [
+        "reward/mean"]
+    for key in keys:
+        assert [r[key] for r in rows["two"]] == [r[key] for r in rows["one"]], key
+    if dynamic:
+        assert max(r["dynamic/extra_batches"] for r in rows["two"]) == 1
     assert [r["async/staleness_max"] for r in rows["two"]] == [0, 1, 1]
     assert max(r["async/engine_mismatch_abs_max"] for r in rows["two"]) < 1e-4
     a, b = (load_file(tmp_path / n / "checkpoints/step_000003/model.safetensors")

@@ -90,9 +90,7 @@ def test_config_errors():
         load_config(None, ["rollout.async_engines=2"])
     dyn = ["rollout.async_steps=1", "rollout.dynamic_sampling=true"]
     load_config(None, dyn)
-    with pytest.raises(ConfigError, match="extra draws in the trainer process, with "
-                                          r"rollout\.engine=hf only \(not vllm\)"):
-        load_config(None, [*dyn, "rollout.engine=vllm"])
+    load_config(None, [*dyn, "rollout.engine=vllm"])  # extra draws from the engine process
 
 
 
@@ -535,6 +533,36 @@ def test_dynamic_sampling_draws_its_extra_groups_on_the_steps_own_weights(tmp_pa
                                "logging.rollout_check_every=1"), reward=flat_first_group))
     assert [r["async/staleness_min"] for r in rows] == [0, 0, 0]
     assert all(r["async/engine_mismatch_abs_max"] < 3e-3 for r in rows)
+
+
+def test_extra_draws_can_come_from_the_engine_process(tmp_path, monkeypatch):
+    """The path vLLM takes (a second vLLM cannot start in the trainer process), here with the
+    ``hf`` engine: each extra draw is asked of the engine process, on this step's weights
+    (the newest version published), after the batches already asked for. At k = 0 the run is
+    the synchronous loop's bit for bit; at k = 1 the extra rows have staleness 0 and carry
+    the engine process's pass on that version, which agrees with their sampler."""
+    monkeypatch.setattr(Trainer, "_extra_draws_here", lambda self: False)
+    dyn = ["steps=3", "rollout.dynamic_sampling=true", "objective.old_logprobs=rollout",
+           "logging.rollout_check_every=0"]
+    sync = _trained(_cfg(tmp_path, "sync", *dyn), reward=flat_first_group)
+    with monkeypatch.context() as m:
+        m.setattr(Trainer, "_async_rollout", lambda self, k: self._pipeline(0))
+        pipe = _trained(_cfg(tmp_path, "pipe", *dyn), reward=flat_first_group)
+    _assert_same_run(sync, pipe, step=3)
+    assert all(r["dynamic/extra_batches"] >= 1 for r in _rows(pipe))
+    t = Trainer(_cfg(tmp_path, "k1", "steps=3", "rollout.dynamic_sampling=true",
+                     "rollout.async_steps=1", "objective.old_logprobs=recompute"),
+                reward_fns=[flat_first_group]).setup()
+    try:
+        assert t.engine is None  # no engine in the trainer process: every draw is the pipeline's
+        t.train()
+    finally:
+        t.cleanup()
+    rows = _rows(t)
+    assert all(r["dynamic/extra_batches"] >= 1 and r["dynamic/groups_kept"] == 2 for r in rows)
+    assert [r["async/staleness_max"] for r in rows] == [0, 1, 1]
+    assert [r["async/staleness_min"] for r in rows] == [0, 0, 0]  # the extra draw's rows
+    assert all(r["async/engine_mismatch_abs_max"] < 3e-5 for r in rows)
 
 
 def _cut_after_step_2(run_dir, dest):
