@@ -50,7 +50,7 @@ from gspo.rollout import (
 )
 from gspo.rollout.async_engine import Request, trainer_pass
 from gspo.rollout.engine import weights_for_rollout
-from gspo.rollout.multiturn import TurnLoop, engine_sampler
+from gspo.rollout.multiturn import TurnLoop, engine_sampler, episode_metrics
 from gspo.trainer import distributed
 from gspo.trainer.async_rollout import (
     AsyncRollout,
@@ -695,6 +695,9 @@ class Trainer:
         if old.recomputed is not None:  # the trainer's π_old against the engine's log-probs
             gap = ((old.recomputed - old.rollout) * mask).sum(1) / mask.sum(1).clamp(min=1)
         padded = {"response_mask": mask, "attention_mask": batch.attention_mask}
+        if self.dist.enabled and roll.model_mask is not None:  # every rank's episodes
+            masks = [m for part in self.dist.gather_objects(roll.model_mask) for m in part]
+            roll.extras.update(episode_metrics(masks))
         if self.async_rollout is not None:
             gap = None if old.behaviour is None else (  # the engine's own mismatch
                 ((old.behaviour - old.rollout) * mask).sum(1) / mask.sum(1).clamp(min=1))

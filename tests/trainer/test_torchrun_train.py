@@ -38,6 +38,15 @@ def char_codes(prompts, completions, **_):
 def half_flat(prompts, completions, **_):
     return [float(sum(map(ord, c)) % 97) if sum(map(ord, p)) % 2 else 1.0
             for p, c in zip(prompts, completions)]
+
+
+class Scripted:  # answers every turn, at a length that differs between prompts
+    def reset(self, prompt, **columns):
+        self.n = sum(map(ord, prompt)) % 11
+
+    def step(self, response):
+        from gspo.rollout.envs import Step
+        return Step("<output>" + "ab" * self.n + "</output>")
 """  # char_codes differs within almost every group: every step moves the weights (tiny models
 # score 0); half_flat gives about half the prompts one reward for every response (no signal)
 
@@ -224,6 +233,23 @@ def test_a_copy_of_an_fsdp2_policy_matches_one_process(tmp_path, extra):
         rel = 1e-3 if i == 0 else 2e-2
         for key in ("mismatch/seq_log_ratio_abs_p50", "mismatch/k3_kl"):
             assert b[key] == pytest.approx(a[key], rel=rel, abs=1e-6), key
+
+
+@pytest.mark.slow
+def test_multi_turn_episode_metrics_under_torchrun_are_every_ranks(tmp_path):
+    """Two-turn episodes on 2 ranks: `rollout/model_tokens_mean` and the other episode
+    metrics are over every rank's rows, as in one process (they were rank 0's own), and the
+    run trains to the one-process weights (< 1e-5)."""
+    extra = ["rollout.max_turns=2", "rollout.env=async_reward:Scripted", "steps=2",
+             "logging.rollout_check_every=0"]
+    one = _train(tmp_path / "one", *extra, world=1)
+    two = _train(tmp_path / "two", *extra)
+    assert _max_diff(_weights(one, 2), _weights(two, 2)) < 1e-5
+    for a, b in zip(_rows(one), _rows(two)):
+        assert b["rollout/turns_mean"] == 2
+        for key in ("rollout/model_tokens_mean", "rollout/observation_tokens_mean",
+                    "rollout/turns_mean"):
+            assert b[key] == pytest.approx(a[key], rel=1e-9), key
 
 
 @pytest.mark.slow
