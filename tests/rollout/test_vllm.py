@@ -159,7 +159,7 @@ def _char_codes(prompts, completions, **_):
     return [float(sum(map(ord, c)) % 97) for c in completions]
 
 
-def _async_vllm_run(tmp_path, name, *extra):
+def _async_vllm_run(tmp_path, name, *extra, reward=_char_codes):
     """4 steps at ``rollout.async_steps=1`` with the vLLM engine on the tiny Llama (its
     folder under ``tmp_path``); the trainer and its metrics rows."""
     import json
@@ -177,7 +177,7 @@ def _async_vllm_run(tmp_path, name, *extra):
         "steps=4", "save_every=4", "objective.old_logprobs=rollout",
         "objective.num_minibatches=2", "rollout.async_steps=1",
         "logging.rollout_check_every=1", "tensorboard=false", *extra])
-    trainer = Trainer(cfg, reward_fns=[_char_codes]).setup()
+    trainer = Trainer(cfg, reward_fns=[reward]).setup()
     try:
         assert trainer.engine is None  # no vLLM in the trainer process
         trainer.train()
@@ -248,30 +248,11 @@ def test_dynamic_sampling_with_async_vllm_draws_again_in_the_engine_process(tmp_
     process; each extra draw is sampled by the engine process's vLLM on this step's weights
     (the newest version published), so its rows have staleness 0 beside the pipeline's 1,
     and vLLM's log-probs on them are the trainer's pass on that version (< 1e-4)."""
-    import json
-
-    from gspo.config import load_config
-    from gspo.trainer import Trainer
-
-    tiny_llama(tmp_path / "model", seed=1)
-    cfg = load_config(None, [
-        f"model={tmp_path / 'model'}", f"output_dir={tmp_path}", "run_name=dyn",
-        "progress=false", "rollout.engine=vllm", "rollout.vllm_memory_fraction=0.2",
-        "rollout.max_new_tokens=6", "rollout.prompts_per_step=2", "rollout.group_size=4",
-        "rollout.temperature=1.0", "task.eval_size=0", "eval_before=false", "optim.lr=1e-2",
-        "steps=3", "save_every=3", "objective.num_minibatches=2", "rollout.async_steps=1",
-        "rollout.dynamic_sampling=true", "logging.rollout_check_every=1",
-        "tensorboard=false"])
-    trainer = Trainer(cfg, reward_fns=[_flat_first_group]).setup()
-    try:
-        assert trainer.engine is None  # no vLLM in the trainer process
-        trainer.train()
-    finally:
-        trainer.cleanup()
-    rows = [json.loads(x) for x in open(trainer.run_dir / "metrics.jsonl") if "train/loss" in x]
+    _, rows = _async_vllm_run(tmp_path, "dyn", "rollout.dynamic_sampling=true",
+                              reward=_flat_first_group)
     assert all(r["dynamic/extra_batches"] >= 1 and r["dynamic/groups_kept"] == 2 for r in rows)
-    assert [r["async/staleness_max"] for r in rows] == [0, 1, 1]
-    assert [r["async/staleness_min"] for r in rows] == [0, 0, 0]  # the extra draw's rows
+    assert [r["async/staleness_max"] for r in rows] == [0, 1, 1, 1]
+    assert [r["async/staleness_min"] for r in rows] == [0, 0, 0, 0]  # the extra draw's rows
     assert max(r["async/engine_mismatch_abs_max"] for r in rows) < 1e-4
 
 

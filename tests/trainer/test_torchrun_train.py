@@ -96,6 +96,16 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
+def _killed_and_resumed(tmp_path: Path, run: Path, step: int, *extra: str) -> tuple[Path, Path]:
+    """A copy of ``run`` as a kill right after its step-``step`` checkpoint leaves it (its
+    next checkpoint gone), and that copy resumed on 2 ranks to the end: (copy, resumed run)."""
+    crashed = tmp_path / "crashed" / "r"
+    shutil.copytree(run, crashed)
+    shutil.rmtree(crashed / "checkpoints" / f"step_{step + 1:06d}")
+    (crashed / "checkpoints" / "latest").write_text(f"step_{step:06d}")
+    return crashed, _train(crashed.parent, *extra, f"resume={crashed}")
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -146,11 +156,7 @@ def test_async_under_torchrun_matches_one_process_and_resumes(tmp_path, strategy
     assert rows_two[-1]["async/staleness_drift_abs_max"] > 0
 
     # as if killed after step 2's checkpoint: the run folder without step 3
-    crashed = tmp_path / "crashed" / "r"
-    shutil.copytree(two, crashed)
-    shutil.rmtree(crashed / "checkpoints" / "step_000003")
-    (crashed / "checkpoints" / "latest").write_text("step_000002")
-    resumed = _train(crashed.parent, *extra, "steps=3", f"resume={crashed}")
+    crashed, resumed = _killed_and_resumed(tmp_path, two, 2, *extra, "steps=3")
     assert _max_diff(_weights(resumed, 3), _weights(two, 3)) == 0.0
     assert [r["train/loss"] for r in _rows(resumed)] == [r["train/loss"] for r in rows_two]
     proc = subprocess.run([sys.executable, "-m", "gspo", "train", *COMMON, *extra, "steps=3",
@@ -196,11 +202,7 @@ def test_dynamic_sampling_under_torchrun_matches_one_process_and_resumes(tmp_pat
     kept = [r["dynamic/groups_kept"] for r in rows_two]
     assert max(r["dynamic/extra_batches"] for r in rows_two) == 1  # extra draws ran
     assert min(kept) < 4, kept  # the cap: fewer groups than prompts_per_step
-    crashed = tmp_path / "crashed" / "r"
-    shutil.copytree(two, crashed)
-    shutil.rmtree(crashed / "checkpoints" / "step_000004")
-    (crashed / "checkpoints" / "latest").write_text("step_000003")
-    resumed = _train(crashed.parent, *extra, f"resume={crashed}")
+    _, resumed = _killed_and_resumed(tmp_path, two, 3, *extra)
     assert _max_diff(_weights(resumed, 4), _weights(two, 4)) == 0.0
     assert [r["train/loss"] for r in _rows(resumed)] == [r["train/loss"] for r in rows_two]
 
@@ -278,9 +280,5 @@ def test_fsdp2_checkpoints_leave_adamw_untouched(tmp_path):
     two = _train(tmp_path / "two", *extra)
     assert _max_diff(_weights(one, 1), _weights(two, 1)) < 1e-5
     assert _max_diff(_weights(two, 1), _weights(two, 0)) > 1e-4  # the step moved them
-    crashed = tmp_path / "crashed" / "r"
-    shutil.copytree(two, crashed)
-    shutil.rmtree(crashed / "checkpoints" / "step_000001")
-    (crashed / "checkpoints" / "latest").write_text("step_000000")
-    resumed = _train(crashed.parent, *extra, f"resume={crashed}")
+    _, resumed = _killed_and_resumed(tmp_path, two, 0, *extra)
     assert _max_diff(_weights(resumed, 1), _weights(two, 1)) == 0.0
