@@ -726,6 +726,38 @@ def test_an_engine_started_elsewhere_gives_the_local_engines_run_bit_for_bit(tmp
 
 
 @pytest.mark.slow
+def test_extra_draws_from_an_engine_elsewhere_or_two_engines_train_as_the_spawned_one(
+        tmp_path, monkeypatch):
+    """Dynamic sampling's extra draws asked of the engine (vLLM's path, here with ``hf``):
+    a `gspo engine` started elsewhere gives the spawned engine's run bit for bit (the
+    ``(step, draw)`` keys travel over its link), and two engines, each with its share of every
+    draw, the same rewards and losses."""
+    import subprocess
+    import sys
+
+    monkeypatch.setattr(Trainer, "_extra_draws_here", lambda self: False)
+    extra = ["steps=3", "rollout.async_steps=1", "rollout.dynamic_sampling=true",
+             "logging.rollout_check_every=1"]
+    local = _trained(_cfg(tmp_path, "local", *extra), reward=flat_first_group)
+    address = f"tcp://127.0.0.1:{_free_port()}"
+    engine = subprocess.Popen([sys.executable, "-m", "gspo", "engine", address,
+                               "--timeout", "300"], stderr=subprocess.PIPE, text=True)
+    try:
+        remote = _trained(_cfg(tmp_path, "remote", *extra, f"rollout.async_address={address}"),
+                          reward=flat_first_group)
+        assert engine.wait(timeout=60) == 0, engine.stderr.read()
+    finally:
+        engine.kill()
+    _assert_same_run(local, remote, step=3)
+    two = _trained(_cfg(tmp_path, "two", *extra, "rollout.async_engines=2"),
+                   reward=flat_first_group)
+    for a, b in zip(_rows(local), _rows(two)):
+        assert a["dynamic/extra_batches"] >= 1 and a["async/staleness_min"] == 0
+        assert b["reward/mean"] == a["reward/mean"]
+        assert b["train/loss"] == pytest.approx(a["train/loss"], abs=1e-6)
+
+
+@pytest.mark.slow
 def test_an_engine_started_elsewhere_reports_its_failure_to_the_trainer(tmp_path):
     """A request for a version the trainer never published: the engine waits for it (here
     3 s), then the trainer's take raises with the engine's own error."""
