@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from types import MappingProxyType
 from typing import Any
 
@@ -73,8 +73,11 @@ class PolicyHooks:
                    ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
         return None, {}
 
-    def step_stats(self, out: dict[str, Any], response_mask: torch.Tensor
+    def step_stats(self, out: dict[str, Any], response_mask: torch.Tensor, *,
+                   all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
                    ) -> dict[str, torch.Tensor]:
+        """One minibatch step's stats. ``all_reduce`` (torchrun): sums a tensor over ranks, for
+        stats that are not a mean over rows (every rank calls it, the same number of times)."""
         return {}
 
     def step_metrics(self, stats: list[dict[str, torch.Tensor]]) -> dict[str, float]:
@@ -158,14 +161,16 @@ class MoEHooks(PolicyHooks):
         lb = aux_loss(model, out["live_logits"], attention_mask)
         return self.cfg.aux_loss_coef * lb, {"moe/load_balancing_loss": lb.detach()}
 
-    def step_stats(self, out: dict[str, Any], response_mask: torch.Tensor
+    def step_stats(self, out: dict[str, Any], response_mask: torch.Tensor, *,
+                   all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
                    ) -> dict[str, torch.Tensor]:
         if out.get("natural") is None:
             return {}
         stats = routing_change_stats(out["routing"], out["natural"], response_mask)
         rec = out.get("recorder")
         if rec is not None and rec.logits:
-            stats.update(router_state_stats(rec.logits, out["natural"], response_mask))
+            stats.update(router_state_stats(rec.logits, out["natural"], response_mask,
+                                            all_reduce=all_reduce))
         return stats
 
     def step_metrics(self, stats: list[dict[str, torch.Tensor]]) -> dict[str, float]:
@@ -245,23 +250,28 @@ def routing_change_stats(old: list[torch.Tensor], new: list[torch.Tensor],
 
 
 def router_state_stats(logits: list[torch.Tensor], chosen: list[torch.Tensor],
-                       token_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+                       token_mask: torch.Tensor, *,
+                       all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+                       ) -> dict[str, torch.Tensor]:
     """The router's state over the response tokens, averaged over MoE layers:
     ``moe/router_entropy``, the entropy of softmax(router logits) divided by log E (1: uniform,
     0: one expert), and ``moe/load_imbalance``, max_e load_e / mean_e load_e over the routed
     (token, slot) pairs of the experts the router picks (``chosen``) (1: balanced, E/k: every
-    token on the same k experts)."""
+    token on the same k experts). ``all_reduce`` (torchrun): the loads are summed over ranks
+    first, so the imbalance is the global batch's (each rank's own is larger: fewer tokens)."""
     w = token_mask.reshape(-1).detach().to("cpu", torch.float)
     total = w.sum().clamp(min=1.0)
-    ent, imb = [], []
+    ent, loads = [], []
     for z, idx in zip(logits, chosen, strict=True):
         z = z.detach().to("cpu", torch.float)
         logp = torch.log_softmax(z, dim=-1)
         h = -(logp.exp() * logp).sum(-1) / max(math.log(z.shape[-1]), 1e-12)
         ent.append((h * w).sum() / total)
-        load = torch.zeros(z.shape[-1]).index_add_(
-            0, idx.cpu().reshape(-1), w.repeat_interleave(idx.shape[-1]))
-        imb.append(load.max() / load.mean().clamp(min=1e-12))
+        loads.append(torch.zeros(z.shape[-1]).index_add_(
+            0, idx.cpu().reshape(-1), w.repeat_interleave(idx.shape[-1])))
+    if all_reduce is not None:
+        loads = list(all_reduce(torch.cat(loads)).split([len(x) for x in loads]))
+    imb = [load.max() / load.mean().clamp(min=1e-12) for load in loads]
     return {"moe/router_entropy": torch.stack(ent).mean(),
             "moe/load_imbalance": torch.stack(imb).mean()}
 

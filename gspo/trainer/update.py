@@ -229,7 +229,10 @@ def _step(model: Any, optimizer: Any, scheduler: Any, batch: UpdateBatch, local:
         return None
     optimizer.step()
     scheduler.step()
-    return {**stats, **hooks.step_stats(moe_out, mb.response_mask),
+    # a stand-in row (this rank holds none of the minibatch) adds nothing to global stats
+    own = torch.zeros_like(mb.response_mask) if empty else mb.response_mask
+    return {**stats, **hooks.step_stats(moe_out, own,
+                                        all_reduce=d.all_reduce if d.enabled else None),
             "train/grad_norm": gnorm.detach(), "train/loss": loss.detach()}
 
 
