@@ -147,12 +147,19 @@ class AsyncRollout:
             examples, req = self.draw(b)
             # An extended run (resumed with more steps than it had) never drew its last k
             # batches, and their versions are gone: those come from the resumed weights.
-            version = max(behaviour_version(b, self.k), self.floor)
-            self.engine.submit(dataclasses.replace(
-                req, version=version, recompute=self.check(b),
-                examples=examples if self.turns is not None else None))
-            self.inflight[b] = examples
+            self._ask(req, examples, version=max(behaviour_version(b, self.k), self.floor))
             self.submitted = b + 1
+
+    def _ask(self, req: Request, examples: list[Example], *, version: int, draw: int = 0
+             ) -> None:
+        """Ask the engine for ``req`` on policy ``version`` (with the trainer's pass on the
+        steps ``check`` names; a multi-turn request with its examples), in flight under its
+        key from then on."""
+        req = dataclasses.replace(req, version=version, recompute=self.check(req.step),
+                                  draw=draw,
+                                  examples=examples if self.turns is not None else None)
+        self.engine.submit(req)
+        self.inflight[req.key] = examples
 
     def _take_one(self) -> None:
         key, enc = self.engine.take()
@@ -181,11 +188,8 @@ class AsyncRollout:
         on this step's weights (version ``step``, the newest published), after the batches
         already asked for (FIFO). Its rows carry that version, and the trainer's pass on it
         when this step's batch does."""
+        self._ask(req, examples, version=step, draw=draw)
         key = (step, draw)
-        self.engine.submit(dataclasses.replace(
-            req, version=step, recompute=self.check(step), draw=draw,
-            examples=examples if self.turns is not None else None))
-        self.inflight[key] = examples
         while key not in self.ready:
             self._take_one()
         return decode(self.ready.pop(key)[1])
