@@ -29,9 +29,12 @@ and links to an engine of its own, at its own address. The two groups:
 
 The engine samples exactly as the local engine process does (the same
 :func:`gspo.rollout.async_engine.run_engine`), so for the same weights it returns the same
-batches. Both ends must run the same gspo and torch versions (they exchange pickles). Tested
-here between two processes on one machine (``tcp://127.0.0.1``); across machines it is the
-same gloo TCP transport, not tested.
+batches. Both ends must run the same gspo and torch versions (they exchange pickles). Each
+end binds gloo to its own address on the route to the trainer's host
+(:mod:`gspo.rollout.gloo_net`). Tested between two processes on one machine
+(``tcp://127.0.0.1``) and between network namespaces of one machine, each with a network
+stack of its own, joined by virtual Ethernet links (``tests/trainer/test_network_hosts.py``);
+not between two physical machines.
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ from gspo.rollout.async_engine import (
     unpack,
 )
 from gspo.rollout.engine import EngineOptions
+from gspo.rollout.gloo_net import IFNAME, device_towards
 
 TRAINER, ENGINE = 0, 1
 STOP = -1  # a weights header that ends the engine's receiving thread
@@ -118,19 +122,46 @@ def _store(address: str, rank: int, timeout: datetime.timedelta) -> Any:
                          wait_for_workers=True)
 
 
+def _group(store: Any, name: str, rank: int, timeout: datetime.timedelta,
+           device: Any) -> Any:
+    """One gloo group of the two, on ``device`` (gloo's default device when None)."""
+    prefixed = dist.PrefixStore(name, store)
+    if device is None:
+        return dist.ProcessGroupGloo(prefixed, rank, 2, timeout)
+    opts = dist.ProcessGroupGloo._Options()
+    opts._devices, opts._timeout = [device], timeout
+    return dist.ProcessGroupGloo(prefixed, rank, 2, opts)
+
+
 def _join(address: str, rank: int, timeout_s: float) -> tuple[Any, Any]:
-    """Join the world of two at ``address``: its (messages, weights) groups."""
+    """Join the world of two at ``address``: its (messages, weights) groups. With a TCP
+    address each end binds gloo to its own address on the route to the trainer's host (the
+    trainer: the address it listens on), not to where this machine's host name resolves,
+    often a loopback address that the other machine cannot reach (:mod:`gspo.rollout.gloo_net`);
+    ``GLOO_SOCKET_IFNAME``, when set, names the interface instead."""
     timeout = datetime.timedelta(seconds=timeout_s)
+    url = urllib.parse.urlparse(address)
     try:
         store = _store(address, rank, timeout)
-        return tuple(dist.ProcessGroupGloo(dist.PrefixStore(name, store), rank, 2, timeout)
-                     for name in ("messages", "weights"))
     except (dist.DistError, RuntimeError) as e:
         other = ("no engine joined (start one with `gspo engine ADDRESS`)" if rank == TRAINER
                  else "no trainer to join (it listens once it starts with "
                  "rollout.async_address=ADDRESS)")
-        detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise Unreachable(f"{address}: {other} within {timeout_s:.0f} s ({detail})") from None
+        raise Unreachable(f"{address}: {other} within {timeout_s:.0f} s ({_first(e)})") from None
+    device = device_towards(url.hostname) if url.scheme == "tcp" and url.hostname else None
+    try:
+        return tuple(_group(store, name, rank, timeout, device)
+                     for name in ("messages", "weights"))
+    except (dist.DistError, RuntimeError) as e:
+        other = "engine" if rank == TRAINER else "trainer"
+        raise Unreachable(
+            f"{address}: met the {other} there, but gloo could not connect to the address it "
+            f"gave ({_first(e)}); set {IFNAME} to the network interface each end reaches the "
+            "other through") from None
+
+
+def _first(e: BaseException) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
 class RemoteEngine:
