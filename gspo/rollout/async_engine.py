@@ -536,6 +536,9 @@ class AsyncEngine:
         self.slot_versions[slot] = version
         return time.perf_counter() - start
 
+    def published(self) -> None:
+        """Nothing to wait for: :meth:`publish` returns once the slot holds the version."""
+
     def submit(self, req: Request) -> None:
         self.requests.put(req)
 

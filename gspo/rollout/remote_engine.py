@@ -19,7 +19,10 @@ and links to an engine of its own, at its own address. The two groups:
 - **weights** (a second group): after every update the trainer broadcasts a header (the
   version, and whether the whole policy follows) and then one flat buffer per dtype, its
   policy copied into one send buffer; for a LoRA policy whose slot on the engine already holds
-  the base weights, only the adapter's tensors, packed the same way. The
+  the base weights, only the adapter's tensors, packed the same way. The broadcast runs in a
+  thread of the trainer's (:meth:`RemoteEngine.publish` returns once the buffers are filled),
+  so the trainer trains on while the weights cross the network; the next publish first waits
+  for it, since it refills the same buffers. The
   engine keeps the ``k + 1`` slots in its own memory and a thread that waits in that broadcast
   and fills slot ``version % (k + 1)``. The argument of :mod:`gspo.rollout.async_engine` for
   why ``k + 1`` slots need no lock holds unchanged: the trainer publishes version ``v`` only
@@ -177,6 +180,9 @@ class RemoteEngine:
         (to measure what sending only the adapter saves)."""
         group, self.weights = _join(address, TRAINER, timeout_s)
         self.closed = False
+        self._sender: threading.Thread | None = None  # the last publish's broadcast
+        self._send_error: BaseException | None = None
+        self.last_send_s = 0.0  # how long the last finished broadcast of a publish took
         try:
             self.messages = _Messages(group, ENGINE)
             self.entries, sizes = _layout(model)
@@ -203,24 +209,47 @@ class RemoteEngine:
 
     @torch.no_grad()
     def publish(self, model: torch.nn.Module, version: int) -> float:
-        """Broadcast ``model``'s weights as version ``version`` (once the engine's slot holds a
-        whole policy, only the tensors that can change); the seconds it took."""
+        """Copy ``model``'s weights into the send buffers as version ``version`` (once the
+        engine's slot holds a whole policy, only the tensors that can change) and broadcast
+        them from a thread of their own: the trainer trains on while they cross the network.
+        First waits for the previous publish's broadcast, whose buffers these are. The seconds
+        the caller spent here (that wait and the copy)."""
         start = time.perf_counter()
+        self.published()
         slot = version % len(self._filled)
         whole = self._changing is None or not self._filled[slot]
-        _broadcast(self.weights, torch.tensor([version, int(whole)]))
+        header = torch.tensor([version, int(whole)])
         if whole:
             fill_slot(self.buffer, self.entries, self._unique, model)
-            for k in self.keys:
-                _broadcast(self.weights, self.buffer[k])
+            tensors = [header, *(self.buffer[k] for k in self.keys)]
         else:
             pack(self.entries, self._changing, model, self.small)
-            for buf in self.small.values():
-                _broadcast(self.weights, buf)
+            tensors = [header, *self.small.values()]
         self._filled[slot] = True
         self.last_publish_bytes = entry_bytes(self.entries, self._unique if whole
                                               else self._changing)
+        self._sender = threading.Thread(target=self._send, args=(tensors,),
+                                        name="gspo-publish", daemon=True)
+        self._sender.start()
         return time.perf_counter() - start
+
+    def _send(self, tensors: list[torch.Tensor]) -> None:
+        start = time.perf_counter()
+        try:
+            for t in tensors:
+                _broadcast(self.weights, t)
+        except BaseException as e:  # raised by the caller's next publish or close
+            self._send_error = e
+        self.last_send_s = time.perf_counter() - start
+
+    def published(self) -> None:
+        """Wait until the last publish has reached the engine (its broadcast is done)."""
+        if self._sender is not None:
+            self._sender.join()
+            self._sender = None
+        if self._send_error is not None:
+            err, self._send_error = self._send_error, None
+            raise RuntimeError(f"sending weights to the rollout engine failed: {err}") from err
 
     def submit(self, req: Request) -> None:
         self.messages.send(req)
@@ -238,6 +267,7 @@ class RemoteEngine:
             return
         self.closed = True
         try:
+            self.published()
             self.messages.send(None)
             _broadcast(self.weights, torch.tensor([STOP, 0]))
             self.messages.flush()

@@ -69,6 +69,14 @@ class _Engines:
     def publish(self, model: Any, version: int) -> float:
         return sum(e.publish(model, version) for e in self.engines)
 
+    def published(self) -> None:
+        for e in self.engines:
+            e.published()
+
+    @property
+    def last_send_s(self) -> float:
+        return max(getattr(e, "last_send_s", 0.0) for e in self.engines)
+
     def submit(self, req: Request) -> None:
         for engine, share in zip(self.engines, split_request(req, len(self.engines))):
             engine.submit(share)
@@ -195,7 +203,18 @@ class AsyncRollout:
         return decode(self.ready.pop(key)[1])
 
     def publish(self, model: Any, version: int) -> float:
+        """Publish version ``version``; to engines started elsewhere its weights go in the
+        background (:meth:`gspo.rollout.remote_engine.RemoteEngine.publish`). The seconds the
+        trainer spent on it."""
         return self.engine.publish(model, version)
+
+    def publish_metrics(self) -> dict[str, float]:
+        """After a publish to engines started elsewhere, ``async/publish_send_s``: how long
+        the previous publish's broadcast took (it ran while this step trained; the slowest
+        engine's with several). Local engines: none (their publish is the copy itself)."""
+        if not self.addresses:
+            return {}
+        return {"async/publish_send_s": float(self.engine.last_send_s)}
 
     def state_dict(self) -> dict[str, Any]:
         """The in-flight batches (waited for), their prompts, and where the draws stand."""

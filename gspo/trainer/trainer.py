@@ -751,13 +751,15 @@ class Trainer:
                 old.after = self.old_logprobs({"input_ids": batch.input_ids,
                                                "attention_mask": batch.attention_mask,
                                                "response_mask": batch.response_mask})[0]
+        published: dict[str, float] = {}
         if self.async_rollout is not None:  # version step+1, for the batch of step+1+k
             with timer("weight_sync"), self.dist.full_weights(self.model):
                 self.async_rollout.publish(self.model, self.step + 1)
+            published = self.async_rollout.publish_metrics()
         elif not self.engine.capabilities.shares_policy_weights:
             with timer("weight_sync"):
                 self.sync()
-        return {**reward_metrics, **sampling,
+        return {**reward_metrics, **sampling, **published,
                 **self.step_metrics(rewards, roll, batch, old, result, timer)}
 
     def refill(self, examples: list[Any], roll: Rollout, rewards: torch.Tensor,

@@ -695,6 +695,62 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def test_a_publish_to_an_engine_elsewhere_sends_in_the_background(tmp_path, monkeypatch):
+    """The weights' broadcast to a `gspo engine` runs in a thread of its own, so the trainer
+    trains on while they cross the network: with every broadcast slowed by 0.2 s (a slow
+    link), `publish` returns before the first one ends and `published` waits for the last.
+    A batch asked at that version samples from its weights (the batch of an engine here on the
+    same weights, bit for bit). A failed broadcast is raised by the next publish."""
+    import subprocess
+    import sys
+    import time
+
+    from gspo.models import token_logprobs
+    from gspo.rollout import remote_engine
+    from gspo.rollout.async_engine import Recompute
+
+    address = f"file://{tmp_path}/store"
+    engine = subprocess.Popen([sys.executable, "-m", "gspo", "engine", address,
+                               "--timeout", "60"], stderr=subprocess.PIPE, text=True)
+    model, tok = load_model("tiny:llama", seed=0)
+    eng = remote_engine.RemoteEngine(
+        model, tok, address=address, engine="hf", opts=EngineOptions(), steps_ahead=1,
+        threads=1, recompute=Recompute(token_logprobs, 1.0, 8, 0), timeout_s=60)
+    try:
+        eng.published()
+        plain = remote_engine._broadcast
+
+        def slow(group, t):
+            time.sleep(0.2)
+            plain(group, t)
+
+        monkeypatch.setattr(remote_engine, "_broadcast", slow)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+        start = time.perf_counter()
+        assert eng.publish(model, 1) < 0.2  # returned while the header was still on its way
+        eng.published()
+        assert time.perf_counter() - start >= 0.4 and eng.last_send_s >= 0.4  # header + 1 dtype
+        req = Request(0, 1, [[1, 2, 3]], 2, SamplingParams(4, 1.0), [5], False)
+        eng.submit(req)
+        here = InlineEngine(model, tok, 1)
+        here.publish(model, 1)
+        here.submit(req)
+        (_, there), (_, mine) = eng.take(), here.take()
+        assert there["versions"] == [1, 1] and there["response_ids"] == mine["response_ids"]
+        assert there["logprobs"] == mine["logprobs"]
+        engine.kill()
+        engine.wait(timeout=30)
+        with pytest.raises(RuntimeError, match="sending weights to the rollout engine failed"):
+            for version in (2, 3):  # the first send may still fit in the socket's buffers
+                eng.publish(model, version)
+                eng.published()
+    finally:
+        eng.close()
+        engine.kill()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", ["full", "lora"])
 def test_an_engine_started_elsewhere_gives_the_local_engines_run_bit_for_bit(tmp_path, policy):
@@ -723,6 +779,9 @@ def test_an_engine_started_elsewhere_gives_the_local_engines_run_bit_for_bit(tmp
     assert [r["async/staleness_max"] for r in rows_remote] == [min(t, k) for t in range(4)]
     assert all(r["async/engine_mismatch_abs_max"] < 3e-5 for r in rows_remote)
     assert all(r["time/weight_sync_s"] > 0 for r in rows_remote[:-1])
+    # each step's publish waits for the previous one's broadcast, and reports how long it took
+    assert all(r["async/publish_send_s"] > 0 for r in rows_remote)
+    assert "async/publish_send_s" not in _rows(local)[0]
 
 
 @pytest.mark.slow
