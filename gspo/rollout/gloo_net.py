@@ -10,12 +10,16 @@ holds it, so that gspo can bind there itself whenever the user has not named an 
 
 - the link between a trainer and a ``gspo engine`` (:mod:`gspo.rollout.remote_engine`) builds
   its gloo groups on a device bound to that address;
-- a torchrun trainer whose ``MASTER_ADDR`` is another machine sets ``GLOO_SOCKET_IFNAME`` to
-  the interface on the route to it before it joins its process group
+- a torchrun trainer whose world spans machines sets ``GLOO_SOCKET_IFNAME`` to the interface
+  on the route to ``MASTER_ADDR`` before it joins its process group
   (:func:`gspo.trainer.distributed.init_from_env`).
 
+A name that resolves to loopback on this machine (the master's own name, with the line above)
+names this machine as the others reach it: then the address is the source of the default
+route, or the one interface other than loopback (:func:`outward_address`).
+
 Tested between network namespaces of one machine (separate network stacks joined by virtual
-Ethernet links, host name resolving to 127.0.0.1 in each): ``tests/trainer/test_network_hosts.py``.
+Ethernet links, each host's own name on 127.0.1.1): ``tests/trainer/test_network_hosts.py``.
 """
 
 from __future__ import annotations
@@ -45,6 +49,32 @@ def is_loopback(address: str) -> bool:
     return ipaddress.ip_address(address.split("%")[0]).is_loopback
 
 
+def _names_loopback(host: str) -> bool:
+    """Whether ``host`` itself says loopback (127.x, ::1, localhost), rather than resolving
+    there on this machine (a host name that /etc/hosts maps to 127.0.1.1)."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host.lower() in ("localhost", "localhost.localdomain")
+
+
+def interface_addresses() -> dict[str, str]:
+    """Each network interface's IPv4 address (Linux; interfaces without one left out)."""
+    import fcntl
+    import struct
+
+    out: dict[str, str] = {}
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                req = struct.pack("256s", name.encode()[:15])
+                got = fcntl.ioctl(s.fileno(), 0x8915, req)  # SIOCGIFADDR
+            except OSError:
+                continue
+            out[name] = socket.inet_ntoa(got[20:24])
+    return out
+
+
 def interface_of(address: str) -> str | None:
     """The name of the network interface that holds ``address`` on this machine (Linux), or
     None."""
@@ -59,45 +89,55 @@ def interface_of(address: str) -> str | None:
         except OSError:
             return None
         return None
-    import fcntl
-    import struct
+    return next((n for n, a in interface_addresses().items() if a == str(ip)), None)
 
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        for _, name in socket.if_nameindex():
-            try:
-                req = struct.pack("256s", name.encode()[:15])
-                got = fcntl.ioctl(s.fileno(), 0x8915, req)  # SIOCGIFADDR: the interface's IPv4
-            except OSError:
-                continue  # an interface without an IPv4 address
-            if socket.inet_ntoa(got[20:24]) == str(ip):
-                return name
-    return None
+
+def outward_address() -> str | None:
+    """This machine's address as other machines reach it, as far as can be told here: the
+    source of the default route, else the IPv4 address of the one interface other than
+    loopback; None when neither settles it."""
+    source = route_source("192.0.2.1")  # TEST-NET-1: on no local network, so the default route
+    if source is not None and not is_loopback(source):
+        return source
+    others = [a for a in interface_addresses().values() if not is_loopback(a)]
+    return others[0] if len(others) == 1 else None
+
+
+def reachable_source(host: str) -> str | None:
+    """The local address to bind to for a link to ``host``: the source of the route to it;
+    when a name (not a loopback address) resolves to loopback here, as a machine's own name
+    often does, this machine is the one other machines reach by that name, so its outward
+    address (:func:`outward_address`)."""
+    source = route_source(host)
+    if source is not None and is_loopback(source) and not _names_loopback(host):
+        return outward_address() or source
+    return source
 
 
 def device_towards(host: str) -> Any:
-    """A gloo device bound to this machine's address on the route to ``host`` (the peer's
-    address, or this process's own listening address), or None to keep gloo's default device:
-    when ``GLOO_SOCKET_IFNAME`` names the interface, or when no route to ``host`` is found."""
+    """A gloo device bound to :func:`reachable_source` of ``host`` (the peer's address, or
+    this process's own listening address), or None to keep gloo's default device: when
+    ``GLOO_SOCKET_IFNAME`` names the interface, or when no address is found."""
     import torch.distributed as dist
 
     if os.environ.get(IFNAME):
         return None
-    source = route_source(host)
+    source = reachable_source(host)
     if source is None:
         return None
     return dist.ProcessGroupGloo.create_device(hostname=source)
 
 
 def interface_towards_master(environ: dict[str, str] | None = None) -> str | None:
-    """The interface a torchrun rank's gloo group should bind to, when gloo's default may not
-    reach the other machines: the one on the route to ``MASTER_ADDR``. None when the user named
-    one (``GLOO_SOCKET_IFNAME``), when there is no ``MASTER_ADDR``, or when it lies on this
-    machine's loopback (one machine: gloo's default serves)."""
+    """The interface a torchrun rank's gloo group should bind to when its world spans
+    machines (``WORLD_SIZE`` > ``LOCAL_WORLD_SIZE``): the one holding
+    :func:`reachable_source` of ``MASTER_ADDR`` (on the master's machine, its outward
+    address). None when the user named one (``GLOO_SOCKET_IFNAME``), on one machine (gloo's
+    default serves), or when no address is found."""
     env = os.environ if environ is None else environ
     master = env.get("MASTER_ADDR")
-    if env.get(IFNAME) or not master:
+    world = int(env.get("WORLD_SIZE", "1"))
+    if env.get(IFNAME) or not master or world <= int(env.get("LOCAL_WORLD_SIZE", world)):
         return None
-    source = route_source(master)
-    if source is None or is_loopback(source):
-        return None
-    return interface_of(source)
+    source = reachable_source(master)
+    return None if source is None else interface_of(source)

@@ -36,7 +36,9 @@ def char_codes(prompts, completions, **_):  # differs within almost every group
     return [float(sum(map(ord, c)) % 97) for c in completions]
 """
 HOSTS = ("h0", "h1", "h2")  # h0, h1: trainer machines; h2: the inference machine
-ADDRESS = {name: f"10.77.{os.getpid() % 250}.{i + 1}" for i, name in enumerate(HOSTS)}
+# above 127.x: gloo's two ends decide which one listens by comparing addresses, so with
+# addresses below 127.0.1.1 a rank bound to loopback would connect out and go unnoticed
+ADDRESS = {name: f"192.168.{os.getpid() % 250}.{i + 1}" for i, name in enumerate(HOSTS)}
 
 
 def test_route_source_and_interface_on_loopback():
@@ -47,16 +49,25 @@ def test_route_source_and_interface_on_loopback():
     assert gloo_net.interface_of("192.0.2.77") is None  # TEST-NET-1: on no interface here
 
 
-def test_interface_towards_master_only_when_the_master_is_elsewhere(monkeypatch):
-    """One machine (loopback master), no master, or an interface the user named: gloo's
-    default stands (None). A master reached through an interface: that interface."""
+def test_interface_towards_master_only_when_the_world_spans_machines(monkeypatch):
+    """One machine, no master, or an interface the user named: gloo's default stands (None).
+    Across machines: the interface on the route to the master; on the master's own machine,
+    whose name resolves to loopback there, the interface of its outward address."""
     f = gloo_net.interface_towards_master
-    assert f({"MASTER_ADDR": "127.0.0.1"}) is None
-    assert f({}) is None
-    monkeypatch.setattr(gloo_net, "route_source", lambda host: "192.0.2.5")
-    monkeypatch.setattr(gloo_net, "interface_of", lambda a: {"192.0.2.5": "eth7"}.get(a))
-    assert f({"MASTER_ADDR": "192.0.2.1"}) == "eth7"
-    assert f({"MASTER_ADDR": "192.0.2.1", gloo_net.IFNAME: "eth1"}) is None
+    two = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1"}
+    assert f({"MASTER_ADDR": "127.0.0.1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}) is None
+    assert f(two) is None
+    routes = {"192.0.2.1": "192.0.2.5", "h0": "127.0.0.1", "127.0.0.1": "127.0.0.1"}
+    monkeypatch.setattr(gloo_net, "route_source", routes.get)
+    monkeypatch.setattr(gloo_net, "interface_addresses",
+                        lambda: {"lo": "127.0.0.1", "eth7": "192.0.2.5"})
+    assert f({"MASTER_ADDR": "192.0.2.1", **two}) == "eth7"
+    assert f({"MASTER_ADDR": "h0", **two}) == "eth7"  # this machine is the master
+    assert f({"MASTER_ADDR": "192.0.2.1", "WORLD_SIZE": "2"}) is None  # one machine
+    assert f({"MASTER_ADDR": "192.0.2.1", gloo_net.IFNAME: "eth1", **two}) is None
+    assert gloo_net.reachable_source("127.0.0.1") == "127.0.0.1"  # loopback meant as such
+    monkeypatch.setattr(gloo_net, "route_source", lambda host: None)  # no default route
+    assert gloo_net.outward_address() == "192.0.2.5"  # the one interface but loopback
     monkeypatch.setenv(gloo_net.IFNAME, "eth1")
     assert gloo_net.device_towards("192.0.2.1") is None  # the named interface stands
 
