@@ -58,6 +58,23 @@ def _names_loopback(host: str) -> bool:
         return host.lower() in ("localhost", "localhost.localdomain")
 
 
+def is_this_machine(host: str) -> bool | None:
+    """Whether ``host`` resolves to an address of this machine (one a socket can bind to,
+    loopback included); None when it does not resolve."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return None
+    for family, _, _, _, addr in infos:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((addr[0], 0))
+                return True
+            except OSError:
+                continue
+    return False
+
+
 def interface_addresses() -> dict[str, str]:
     """Each network interface's IPv4 address (Linux; interfaces without one left out)."""
     import fcntl

@@ -15,6 +15,7 @@ import functools
 import json
 import math
 import time
+import urllib.parse
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +51,7 @@ from gspo.rollout import (
 )
 from gspo.rollout.async_engine import Request, trainer_pass
 from gspo.rollout.engine import weights_for_rollout
+from gspo.rollout.gloo_net import is_this_machine
 from gspo.rollout.multiturn import TurnLoop, engine_sampler, episode_metrics
 from gspo.trainer import distributed
 from gspo.trainer.async_rollout import (
@@ -341,6 +343,15 @@ class Trainer:
             raise ConfigError(f"rollout.async_address: {len(addresses)} address(es) for "
                               f"{world} trainer process(es) x {n} engine(s) each; give one per "
                               "engine, comma-separated, in rank order")
+        mine = addresses[self.dist.rank * n:(self.dist.rank + 1) * n]
+        for address in mine:  # this rank listens there: its host must be this machine
+            host = urllib.parse.urlparse(address).hostname
+            if address.startswith("tcp://") and host and is_this_machine(host) is False:
+                raise ConfigError(
+                    f"rollout.async_address: rank {self.dist.rank} listens at {address}, but "
+                    f"{host} is not this machine; give each rank an address on its own "
+                    "machine, in rank order (with torchrun's rendezvous, machines take ranks in "
+                    "the order they join: use static ranks, --node_rank)")
         if n > 1 and cfg.rollout.prompts_per_step // world < n:
             raise ConfigError(f"rollout.async_engines={n}: each engine needs a prompt, but a "
                               f"trainer process has {cfg.rollout.prompts_per_step // world} "
@@ -357,7 +368,7 @@ class Trainer:
             threads=cfg.rollout.async_threads, logprob_fn=self.logprob_fn,
             temperature=cfg.rollout.temperature, chunk=cfg.logprob_chunk, pad_id=self.pad_id,
             device=self.dist.device, routing=self.hooks.active,
-            addresses=tuple(addresses[self.dist.rank * n:(self.dist.rank + 1) * n]),
+            addresses=tuple(mine),
             engines=n, turns=self.turns)
 
     def _behaviour_routing(self) -> bool:

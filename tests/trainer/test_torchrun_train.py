@@ -123,6 +123,13 @@ def test_one_address_per_trainer_process(tmp_path):
     with pytest.raises(ConfigError, match="must be tcp://HOST:PORT"):
         load_config(None, ["rollout.async_steps=1",
                            "rollout.async_address=tcp://127.0.0.1:1,127.0.0.1:2"])
+    # a rank listens at its address: one of another machine (TEST-NET-1) is refused at once
+    # instead of waiting for an engine that connects elsewhere
+    cfg = load_config(None, [*common, f"output_dir={tmp_path}", "steps=1",
+                             "rollout.async_steps=1", "rollout.async_address=tcp://192.0.2.1:1"])
+    with pytest.raises(ConfigError, match="rank 0 listens at tcp://192.0.2.1:1, but 192.0.2.1 "
+                                          "is not this machine"):
+        Trainer(cfg).setup()
 
 
 @pytest.mark.slow
