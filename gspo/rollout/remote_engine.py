@@ -139,9 +139,10 @@ def _group(store: Any, name: str, rank: int, timeout: datetime.timedelta,
 def _join(address: str, rank: int, timeout_s: float) -> tuple[Any, Any]:
     """Join the world of two at ``address``: its (messages, weights) groups. With a TCP
     address each end binds gloo to its own address on the route to the trainer's host (the
-    trainer: the address it listens on), not to where this machine's host name resolves,
-    often a loopback address that the other machine cannot reach (:mod:`gspo.rollout.gloo_net`);
-    ``GLOO_SOCKET_IFNAME``, when set, names the interface instead."""
+    trainer: its address as the engine reaches it), not to where this machine's host name
+    resolves, often a loopback address that the other machine cannot reach
+    (:func:`gspo.rollout.gloo_net.device_towards`); ``GLOO_SOCKET_IFNAME``, when set, names
+    the interface instead."""
     timeout = datetime.timedelta(seconds=timeout_s)
     url = urllib.parse.urlparse(address)
     try:

@@ -69,10 +69,6 @@ class _Engines:
     def publish(self, model: Any, version: int) -> float:
         return sum(e.publish(model, version) for e in self.engines)
 
-    def published(self) -> None:
-        for e in self.engines:
-            e.published()
-
     @property
     def last_send_s(self) -> float:
         return max(getattr(e, "last_send_s", 0.0) for e in self.engines)

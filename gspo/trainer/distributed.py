@@ -183,8 +183,9 @@ def init_from_env(strategy: str, device: torch.device | None = None) -> Dist:
     ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT``): NCCL on GPUs, else gloo. ``device``: the
     resolved ``device`` option (default: the GPU when there is one). A process started without
     them (``WORLD_SIZE`` unset or 1) gets the one-process Dist on ``device``. With gloo and a
-    ``MASTER_ADDR`` on another machine, ``GLOO_SOCKET_IFNAME`` (when unset) is set to the
-    interface on the route to it."""
+    world that spans machines, ``GLOO_SOCKET_IFNAME`` (when unset) is set to the interface
+    the other machines reach this one through
+    (:func:`gspo.rollout.gloo_net.interface_towards_master`)."""
     if device is None:
         device = resolve_device("auto")
     if not tdist.is_available():
@@ -193,8 +194,8 @@ def init_from_env(strategy: str, device: torch.device | None = None) -> Dist:
         if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
             return Dist(device=device)
         if device.type != "cuda" and (name := interface_towards_master()) is not None:
-            # gloo binds to where the host name resolves, often loopback: bind on the route
-            # to MASTER_ADDR instead, so the other machines can connect (gspo.rollout.gloo_net)
+            # gloo binds to where the host name resolves, often loopback: bind where the other
+            # machines reach this one instead (gspo.rollout.gloo_net)
             os.environ[IFNAME] = name
         tdist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     world = tdist.get_world_size()

@@ -127,8 +127,8 @@ def test_one_address_per_trainer_process(tmp_path):
     # instead of waiting for an engine that connects elsewhere
     cfg = load_config(None, [*common, f"output_dir={tmp_path}", "steps=1",
                              "rollout.async_steps=1", "rollout.async_address=tcp://192.0.2.1:1"])
-    with pytest.raises(ConfigError, match="rank 0 listens at tcp://192.0.2.1:1, but 192.0.2.1 "
-                                          "is not this machine"):
+    with pytest.raises(ConfigError, match=r"rank 0 listens at tcp://192\.0\.2\.1:1, but "
+                                          r"192\.0\.2\.1 is not this machine"):
         Trainer(cfg).setup()
 
 
