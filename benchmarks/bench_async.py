@@ -403,7 +403,7 @@ def table(model: str, summary: dict[str, Any], flops: dict[str, float],
     if sends:  # the publish to an engine started elsewhere
         rows.append("Publish per step to an engine started elsewhere, medians: the trainer's "
                     "share (time/weight_sync_s) and the broadcast's own time "
-                    "(async/publish_send_s): " + "; ".join(sends))
+                    "(time/publish_send_s): " + "; ".join(sends))
     if "thread_scaling" in summary:
         rows.append("")
         rows.append("Thread scaling, sync@1 / sync@2 (s): " + _ratios(summary["thread_scaling"]))

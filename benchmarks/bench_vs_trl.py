@@ -79,7 +79,7 @@ def _engine_side(m: dict[str, float]) -> dict[str, float]:
     within that) and its publish (the trainer's share; the broadcast to an engine started
     elsewhere), where the metrics have them."""
     keys = {"time/rollout_engine_s": "engine_s", "async/engine_sync_s": "engine_sync_s",
-            "time/weight_sync_s": "publish_s", "async/publish_send_s": "publish_send_s"}
+            "time/weight_sync_s": "publish_s", "time/publish_send_s": "publish_send_s"}
     return {short: m[k] for k, short in keys.items() if k in m}
 
 

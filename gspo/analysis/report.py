@@ -118,12 +118,16 @@ def summarize_run(run_dir: Path) -> dict[str, float]:
     return out
 
 
+# Timings of work beside the trainer's, which overlap its phases: the async engine's own
+# sampling, and the broadcast of the weights to an engine started elsewhere.
+OVERLAPPING = ("time/rollout_engine_s", "time/publish_send_s")
+
+
 def step_seconds(row: dict[str, Any]) -> float:
     """The trainer's wall seconds for one logged step: the sum of its ``time/*_s`` phases,
-    without the async engine's own sampling time (``time/rollout_engine_s``), which overlaps
-    the trainer's."""
+    without the timings of work that overlaps them (:data:`OVERLAPPING`)."""
     return sum(v for k, v in row.items() if k.startswith("time/") and k.endswith("_s")
-               and k != "time/rollout_engine_s" and isinstance(v, (int, float)))
+               and k not in OVERLAPPING and isinstance(v, (int, float)))
 
 
 def _reward_per_second(run_dir: Path, train: list[dict[str, Any]]) -> float:

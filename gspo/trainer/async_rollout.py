@@ -205,12 +205,12 @@ class AsyncRollout:
         return self.engine.publish(model, version)
 
     def publish_metrics(self) -> dict[str, float]:
-        """After a publish to engines started elsewhere, ``async/publish_send_s``: how long
+        """After a publish to engines started elsewhere, ``time/publish_send_s``: how long
         the previous publish's broadcast took (it ran while this step trained; the slowest
         engine's with several). Local engines: none (their publish is the copy itself)."""
         if not self.addresses:
             return {}
-        return {"async/publish_send_s": float(self.engine.last_send_s)}
+        return {"time/publish_send_s": float(self.engine.last_send_s)}
 
     def state_dict(self) -> dict[str, Any]:
         """The in-flight batches (waited for), their prompts, and where the draws stand."""

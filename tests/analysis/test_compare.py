@@ -165,7 +165,8 @@ def test_reward_per_second_counts_scored_responses_over_step_time(tmp_path):
 
     (tmp_path / "config.yaml").write_text("rollout: {prompts_per_step: 2, group_size: 4}\n")
     rows = [{"reward/mean": 0.5, "time/rollout_s": 1.0, "time/update_s": 1.0,
-             "time/rollout_engine_s": 5.0},  # the engine's overlapping time is not counted
+             "time/rollout_engine_s": 5.0,  # the engine's overlapping time is not counted,
+             "time/publish_send_s": 3.0},  # nor the weights' broadcast to an engine elsewhere
             {"reward/mean": 1.0, "dynamic/sampled_reward_mean": 0.25,
              "dynamic/groups_sampled": 4.0, "time/update_s": 2.0}]
     # (0.5 * 2 * 4 + 0.25 * 4 * 4) / (2 + 2)
