@@ -240,15 +240,55 @@ def test_async_sigkill_then_resume_is_bit_identical(workdir, async_reference):
     assert len(kills) == len(plan)
 
 
+@pytest.mark.slow
+def test_async_sigkill_with_an_engine_elsewhere_then_resume_is_bit_identical(workdir,
+                                                                            async_reference):
+    """The same with the engine started by `gspo engine` (rollout.async_address), a new one
+    for every start (the killed trainer's engine exits): the weights reach each new engine
+    whole at its first publish, the in-flight batches come from the checkpoint, and the run
+    ends on the spawned engine's uninterrupted run bit for bit."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        address = f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+    rng = random.Random(6)
+    plan = ["anytime", rng.choice(PHASES), "anytime"]
+    kills = _kill_then_resume(workdir, async_reference, "remote_killed", plan, rng,
+                              (*ASYNC, f"rollout.async_address={address}"), engine=address)
+    assert len(kills) == len(plan)
+
+
+class _Engine:
+    """A `gspo engine ADDRESS` beside one start of the trainer."""
+
+    def __init__(self, address: str) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "gspo", "engine", address,
+                                      "--timeout", str(WAIT_S)], cwd=REPO,
+                                     stderr=subprocess.PIPE, text=True)
+
+    def wait(self, clean: bool) -> None:
+        """After a trainer that finished: its exit, 0. After a killed one: gone (killed)."""
+        try:
+            if clean:
+                assert self.proc.wait(timeout=WAIT_S) == 0, self.proc.stderr.read()[-3000:]
+        finally:
+            self.proc.kill()
+            self.proc.wait(timeout=60)
+
+
 def _kill_then_resume(workdir: Path, reference: Path, name: str, plan: list[str],
-                      rng: random.Random, extra: tuple[str, ...] = ()) -> list[tuple]:
+                      rng: random.Random, extra: tuple[str, ...] = (),
+                      engine: str | None = None) -> list[tuple]:
     """Run ``name``, SIGKILL it at each point of ``plan`` and resume it, then resume it to
-    the end and check it against ``reference``; the kills made."""
+    the end and check it against ``reference``; the kills made. ``engine``: an address to
+    start a `gspo engine` at beside every start."""
     run = workdir / name
     args = _overrides(workdir, name, extra)
     expected = {p.name for p in (reference / "checkpoints" / f"step_{STEPS:06d}").iterdir()}
     kills = []
     for i, kind in enumerate(plan):
+        server = _Engine(engine) if engine else None
         # Pick a kill point the resumed run reaches: a write of a step past the checkpoint it
         # starts from, or (anytime) a step not logged yet; never the step-0 checkpoint.
         newest, logged = _newest_and_logged(run)
@@ -266,9 +306,14 @@ def _kill_then_resume(workdir: Path, reference: Path, name: str, plan: list[str]
             cli = Cli(workdir, [*args, *resume], env={PAUSE_ENV: f"{phase}:{step}"})
             cli.wait_for(lambda c=cli: any("[checkpoint]" in line for line in c.seen))
         cli.kill()
+        if server is not None:
+            server.wait(clean=False)
         kills.append((kind, step, _check_checkpoints_complete(run, expected)))
         print("killed:", kills[-1], "logged:", _steps_logged(run), flush=True)
+    server = _Engine(engine) if engine else None
     out = Cli(workdir, [*args, f"resume={run}"]).finish()
+    if server is not None:
+        server.wait(clean=True)
     assert "held-out accuracy" in out
     _check_checkpoints_complete(run, expected)
     _assert_same_run(run, reference)
