@@ -292,15 +292,18 @@ class Trainer:
         caps = engine_capabilities(cfg.rollout.engine, opts)
         self.hooks = policy_hooks(self.model, cfg.moe, caps, engine=cfg.rollout.engine,
                                   name=cfg.model)
-        # async: each rank's engine runs in a process of its own, outside torchrun's world
-        if self.dist.enabled and not caps.per_rank and cfg.rollout.async_steps == 0:
-            raise ConfigError(f"rollout.engine={cfg.rollout.engine} runs in one process only "
-                              "for now; use rollout.engine=hf under torchrun, or "
-                              "rollout.async_steps > 0 (an engine process per rank)")
-        # async: the engine runs in the pipeline's process; here only for dynamic sampling's
-        # extra draws, which sample this step's weights (see :meth:`rollout`)
-        if cfg.rollout.async_steps == 0 or (cfg.rollout.dynamic_sampling
-                                            and self._extra_draws_here()):
+        # An engine that cannot run inside a torchrun rank (vLLM would meet torchrun's process
+        # group) samples in an engine process of the rank's own, outside torchrun's world: the
+        # synchronous loop then runs the pipeline at k = 0 (see :meth:`_async_rollout`).
+        self.engine_process = cfg.rollout.async_steps > 0 or (self.dist.enabled
+                                                              and not caps.per_rank)
+        if self.engine_process and cfg.rollout.engine not in ("hf", "vllm"):
+            raise ConfigError(f"rollout.engine={cfg.rollout.engine} runs in one process only; "
+                              "use rollout.engine=hf or vllm under torchrun")
+        # engine process: it samples; here only for dynamic sampling's extra draws, which
+        # sample this step's weights (see :meth:`rollout`)
+        if not self.engine_process or (cfg.rollout.dynamic_sampling
+                                       and self._extra_draws_here()):
             with self.dist.full_weights(self.model):  # FSDP2: a copy (bf16) needs them whole
                 self.engine = build_engine(cfg.rollout.engine, self.model, self.tokenizer, opts)
 
@@ -329,8 +332,11 @@ class Trainer:
 
     def _async_rollout(self, k: int) -> AsyncRollout | None:
         """``rollout.async_steps = k > 0``: the pipeline (gspo.trainer.async_rollout), checked
-        against what it supports; None for the synchronous loop (k = 0)."""
-        return self._pipeline(k) if k > 0 else None
+        against what it supports; None for the synchronous loop (k = 0), except under torchrun
+        with an engine that runs in one process only (vLLM): the pipeline at k = 0 then, each
+        rank's engine in a process of its own, sampling every batch from the current
+        weights."""
+        return self._pipeline(k) if self.engine_process else None
 
     def _pipeline(self, k: int) -> AsyncRollout:
         cfg = self.cfg
@@ -365,7 +371,8 @@ class Trainer:
             k=k, total_steps=cfg.steps, draw=self._request,
             check=lambda step: behaviour_pass or (every > 0 and step % every == 0),
             engine=cfg.rollout.engine, opts=self.engine_opts,
-            threads=cfg.rollout.async_threads, logprob_fn=self.logprob_fn,
+            threads=cfg.rollout.async_threads if k > 0 else torch.get_num_threads(),
+            logprob_fn=self.logprob_fn,
             temperature=cfg.rollout.temperature, chunk=cfg.logprob_chunk, pad_id=self.pad_id,
             device=self.dist.device, routing=self.hooks.active,
             addresses=tuple(mine),
@@ -374,9 +381,10 @@ class Trainer:
     def _behaviour_routing(self) -> bool:
         """Whether π_old's expert choices (what R2 replays, what ``moe/routing_change``
         compares with) are the behaviour policy's, recorded by the engine process's pass:
-        an MoE policy in the async loop whose π_old is the behaviour policy (``recompute``,
-        ``rollout``); with ``decoupled`` π_old is this step's weights, recorded here."""
-        return (self.hooks.active and self.cfg.rollout.async_steps > 0
+        an MoE policy sampled by an engine process (the async loop, or vLLM under torchrun)
+        whose π_old is the behaviour policy (``recompute``, ``rollout``); with ``decoupled``
+        π_old is this step's weights, recorded here."""
+        return (self.hooks.active and self.engine_process
                 and self.cfg.objective.old_logprobs != "decoupled")
 
     def _resume_checkpoint(self) -> Path | None:
@@ -441,7 +449,9 @@ class Trainer:
         self.saved_step = self.step
         if ("async" in state) != (self.async_rollout is not None):
             raise ConfigError("resume: rollout.async_steps must be 0 in both runs or > 0 in "
-                              "both (the checkpoint holds in-flight batches only when > 0)")
+                              "both, and vLLM under torchrun in both or neither (the "
+                              "checkpoint holds an engine process's in-flight batches only "
+                              "then)")
         if self.async_rollout is not None:
             self.async_rollout.load_state_dict(state["async"], self.dist.rank,
                                                self.dist.world_size)

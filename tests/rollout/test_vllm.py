@@ -268,14 +268,17 @@ def half_flat(prompts, completions, **_):
 
 
 @pytest.mark.parametrize("dynamic", [False, True], ids=["plain", "dynamic"])
-def test_async_vllm_engines_under_torchrun_train_as_one_process(tmp_path, dynamic):
-    """A 2-rank torchrun trainer at ``rollout.async_steps=1`` with ``rollout.engine=vllm``:
-    each rank's engine process runs a vLLM of its own for that rank's share of the prompts.
-    The samples are one process's (same rewards at every step: vLLM seeds per prompt), each
-    vLLM's log-probs are its trainer's pass on the same version (< 1e-4), and the run trains
-    to the one-process run's weights (< 1e-5 at lr 1e-4, the gradient all-reduce's order).
-    With dynamic sampling each rank asks its engine process for its share of the extra
-    draws, and all ranks keep the groups one process keeps."""
+@pytest.mark.parametrize("k", [0, 1], ids=["sync", "async1"])
+def test_vllm_engines_under_torchrun_train_as_one_process(tmp_path, dynamic, k):
+    """A 2-rank torchrun trainer with ``rollout.engine=vllm``: each rank's engine process
+    runs a vLLM of its own for that rank's share of the prompts; at ``rollout.async_steps=0``
+    (the synchronous loop) that is the engine-process pipeline at k = 0, every batch from the
+    current weights. The samples are one process's (its in-process vLLM at k = 0; same
+    rewards at every step: vLLM seeds per prompt), each vLLM's log-probs are its trainer's
+    pass on the same version (< 1e-4), and the run trains to the one-process run's weights
+    (< 1e-5 at lr 1e-4, the gradient all-reduce's order). With dynamic sampling each rank
+    asks its engine process for its share of the extra draws, and all ranks keep the groups
+    one process keeps."""
     import json
     import os
     import subprocess
@@ -293,7 +296,7 @@ def test_async_vllm_engines_under_torchrun_train_as_one_process(tmp_path, dynami
             "rollout.max_new_tokens=6", "rollout.prompts_per_step=2", "rollout.group_size=4",
             "rollout.temperature=1.0", "task.eval_size=0", "eval_before=false",
             "optim.lr=1e-4", "steps=3", "save_every=3", "objective.old_logprobs=rollout",
-            "objective.num_minibatches=2", "rollout.async_steps=1",
+            "objective.num_minibatches=2", f"rollout.async_steps={k}",
             "logging.rollout_check_every=1", "tensorboard=false"]
     args += (["rollout.dynamic_sampling=true", "rollout.dynamic_max_extra_batches=1",
               "rollout.prompts_per_step=4", "reward.functions=[rw:half_flat]"] if dynamic
@@ -309,13 +312,13 @@ def test_async_vllm_engines_under_torchrun_train_as_one_process(tmp_path, dynami
         assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {n: [json.loads(x) for x in open(tmp_path / n / "metrics.jsonl") if "train/loss" in x]
             for n in ("one", "two")}
-    keys = ["reward/mean", "dynamic/groups_kept", "async/staleness_mean"] if dynamic else [
-        "reward/mean"]
+    keys = ["reward/mean", *(["dynamic/groups_kept"] if dynamic else []),
+            *(["async/staleness_mean"] if dynamic and k else [])]
     for key in keys:
         assert [r[key] for r in rows["two"]] == [r[key] for r in rows["one"]], key
     if dynamic:
         assert max(r["dynamic/extra_batches"] for r in rows["two"]) == 1
-    assert [r["async/staleness_max"] for r in rows["two"]] == [0, 1, 1]
+    assert [r["async/staleness_max"] for r in rows["two"]] == [0, k, k]
     assert max(r["async/engine_mismatch_abs_max"] for r in rows["two"]) < 1e-4
     a, b = (load_file(tmp_path / n / "checkpoints/step_000003/model.safetensors")
             for n in ("one", "two"))

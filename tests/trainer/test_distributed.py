@@ -296,3 +296,19 @@ def test_gspo_train_under_torchrun_checkpoints_on_rank_0_and_resumes_in_one_proc
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (run / "checkpoints" / "step_000003").is_dir()
+
+
+def test_an_engine_for_one_process_only_is_refused_under_torchrun(tmp_path, monkeypatch):
+    """Under torchrun an engine that cannot run in a rank goes to an engine process of the
+    rank's own (vLLM, in the synchronous loop too: the pipeline at k = 0, vLLM lane); one
+    that has no engine process path (llama.cpp) is a one-line error at setup."""
+    from gspo.config import ConfigError, load_config
+    from gspo.trainer import Trainer, distributed
+
+    monkeypatch.setattr(distributed, "prepare", lambda cfg, model, ref: Dist(
+        rank=0, world_size=2, device=torch.device("cpu"), strategy="ddp"))  # no world needed
+    cfg = load_config(None, ["model=tiny:llama", f"output_dir={tmp_path}", "steps=1",
+                             "rollout.engine=llamacpp", "task.eval_size=0"])
+    with pytest.raises(ConfigError, match=r"rollout\.engine=llamacpp runs in one process "
+                                          r"only; use rollout\.engine=hf or vllm under"):
+        Trainer(cfg).setup()

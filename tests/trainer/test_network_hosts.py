@@ -11,9 +11,11 @@ own tests are fast.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -114,7 +116,8 @@ class Hosts:
         return subprocess.Popen(
             ["ip", "netns", "exec", self.ns(host), "unshare", "--uts", "sh", "-c",
              f'hostname {host} && exec "$@"', "sh", *argv],
-            env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+            env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
+            start_new_session=True)  # torchrun's workers too go with os.killpg
 
 
 def _ip(*args: str) -> None:
@@ -160,7 +163,9 @@ def _wait(procs: list[subprocess.Popen], logs: list[Path], timeout: float = 300)
             assert p.returncode == 0, f"{log.name}: exit {p.returncode}\n{log.read_text()[-3000:]}"
     finally:
         for p in procs:
-            p.kill()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
 
 
 def _engines(hosts: Hosts, out: Path, env: dict[str, str], addresses: list[str]
