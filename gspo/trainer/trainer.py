@@ -351,11 +351,11 @@ class Trainer:
                               "engine, comma-separated, in rank order")
         mine = addresses[self.dist.rank * n:(self.dist.rank + 1) * n]
         for address in mine:  # this rank listens there: its host must be this machine
-            host = urllib.parse.urlparse(address).hostname
-            if address.startswith("tcp://") and host and is_this_machine(host) is False:
+            url = urllib.parse.urlparse(address)
+            if url.scheme == "tcp" and url.hostname and is_this_machine(url.hostname) is False:
                 raise ConfigError(
                     f"rollout.async_address: rank {self.dist.rank} listens at {address}, but "
-                    f"{host} is not this machine; give each rank an address on its own "
+                    f"{url.hostname} is not this machine; give each rank an address on its own "
                     "machine, in rank order (with torchrun's rendezvous, machines take ranks in "
                     "the order they join: use static ranks, --node_rank)")
         if n > 1 and cfg.rollout.prompts_per_step // world < n:
