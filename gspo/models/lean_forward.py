@@ -133,10 +133,84 @@ def lean_layer(layer: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     h = layer.post_attention_layernorm(x)
     if sparse_block(mlp):  # Mixture-of-Experts: the model's own block (router hooks fire)
         return x + mlp(h), k, v
+    return x + dense_mlp(mlp, h), k, v
+
+
+def dense_mlp(mlp: Any, h: torch.Tensor) -> torch.Tensor:
+    """A gate/up/down MLP on ``h`` as products on its weights: down(act(gate(h)) · up(h))."""
     gate = F.linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias)
     up = F.linear(h, mlp.up_proj.weight, mlp.up_proj.bias)
-    x = x + F.linear(mlp.act_fn(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
-    return x, k, v
+    return F.linear(mlp.act_fn(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
+
+
+def lean_joint_hidden(backbone: Any, prompt_ids: torch.Tensor, prompt_pos: torch.Tensor,
+                      prompt_bias: torch.Tensor, input_ids: torch.Tensor,
+                      position_ids: torch.Tensor, bias: torch.Tensor, owner: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts and the rows that continue them through the backbone together, layer by layer.
+
+    The same result as :func:`lean_hidden` on the prompts (``keep_kv``) followed by
+    :func:`lean_hidden` on the continuations over those keys and values (``past``), in one
+    pass: every projection multiplies the prompts' and the continuations' token rows as one
+    matrix product, and the embedding runs once. Each weight's gradient is then one product
+    rather than two products and a sum of weight-sized tensors (the SmolLM2 update step,
+    8 rows over 2 prompts on 2 threads: forward and backward 1.58 -> 1.45 s, measured by
+    ``benchmarks/bench_update.py --joint``). Only attention runs apart: the prompts among
+    themselves, each continuation over its prompt's keys (row i reads prompt ``owner[i]``)
+    and its own. A Mixture-of-Experts block runs as its module on the prompts, then on the
+    continuations, as in the two passes (its router calls keep their layout).
+
+    Args:
+        prompt_ids, prompt_pos: [P, W] prompts and their rotary positions.
+        prompt_bias: [P, 1, W, W] additive mask (:func:`key_bias`) of the prompts.
+        input_ids, position_ids: [B, S] continuations and their positions.
+        bias: [B, 1, S, W + S] additive mask over the prompt's keys and the row's own.
+        owner: [B] the prompt each row continues.
+    Returns:
+        ``(prompt hidden [P, W, hidden], hidden [B, S, hidden])``, after the final norm.
+    """
+    (p, w), (b, s) = prompt_ids.shape, input_ids.shape
+    x = backbone.embed_tokens(torch.cat([prompt_ids.reshape(-1), input_ids.reshape(-1)]))
+    pos = torch.cat([prompt_pos.reshape(-1), position_ids.reshape(-1)])
+    cos, sin = backbone.rotary_emb(x[None], pos[None])  # [1, N, head_dim]
+    cos, sin = cos[0, :, None], _signed(sin)[0, :, None]  # [N, 1, head_dim]: over heads
+    for layer in backbone.layers:
+        x = joint_layer(layer, x, cos, sin, (p, w), prompt_bias, (b, s), bias, owner)
+    x = backbone.norm(x)
+    return x[:p * w].view(p, w, -1), x[p * w:].view(b, s, -1)
+
+
+def joint_layer(layer: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                prompt_shape: tuple[int, int], prompt_bias: torch.Tensor,
+                shape: tuple[int, int], bias: torch.Tensor, owner: torch.Tensor
+                ) -> torch.Tensor:
+    """One decoder layer of :func:`lean_joint_hidden` on ``x`` [N, hidden]: its first P·W
+    rows are the prompts (``prompt_shape`` P, W), the other B·S the continuations."""
+    attn, mlp = layer.self_attn, layer.mlp
+    d, split = attn.head_dim, prompt_shape[0] * prompt_shape[1]
+    rest = len(x) - split
+    h = layer.input_layernorm(x)
+    q, k, v = (F.linear(h, w.weight, w.bias).view(len(h), -1, d)
+               for w in (attn.q_proj, attn.k_proj, attn.v_proj))
+    if hasattr(attn, "q_norm"):  # Qwen3: RMS norm per head before the rotation
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+    # [rows, heads, d] -> [batch, heads, seq, d], the prompts' rows and the others' apart
+    qp, kp, vp = (t[:split].view(*prompt_shape, -1, d).transpose(1, 2) for t in (q, k, v))
+    q, k, v = (t[split:].view(*shape, -1, d).transpose(1, 2) for t in (q, k, v))
+    gqa = kp.shape[1] != qp.shape[1]
+    op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=prompt_bias, scale=attn.scaling,
+                                        enable_gqa=gqa)
+    k, v = torch.cat([kp[owner], k], dim=2), torch.cat([vp[owner], v], dim=2)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=attn.scaling,
+                                       enable_gqa=gqa)
+    o = torch.cat([op.transpose(1, 2).reshape(split, -1), o.transpose(1, 2).reshape(rest, -1)])
+    x = x + F.linear(o, attn.o_proj.weight, attn.o_proj.bias)
+    h = layer.post_attention_layernorm(x)
+    if sparse_block(mlp):  # the model's own block, on each part as the two passes call it
+        return x + torch.cat([mlp(h[:split].view(*prompt_shape, -1)).reshape(split, -1),
+                              mlp(h[split:].view(*shape, -1)).reshape(rest, -1)])
+    return x + dense_mlp(mlp, h)
 
 
 def compile_unsupported(device: torch.device) -> str | None:

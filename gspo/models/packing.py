@@ -12,6 +12,12 @@ Same signature and outputs as :func:`gspo.models.logprobs.token_logprobs`; it fa
 for models whose head is not a plain linear layer, with activation checkpointing on (which
 disables the cache), or when no prompt is shared.
 
+On the lean passes (``lean_forward``, the default) the prompts and the responses go through
+each layer together (:func:`gspo.models.lean_forward.lean_joint_hidden`): one product per
+weight on all their token rows, where two passes would multiply each weight twice and sum two
+weight-sized gradients. With ``compile_layers`` (one compiled graph per layer kind) and through
+``forward`` the prompt pass and the response pass run one after the other.
+
 The output layer runs through :func:`gspo.models.logprobs.head_logprobs`, as in the plain path.
 
 For a Mixture-of-Experts model each router runs twice per pass (the prompts, then the
@@ -29,9 +35,14 @@ from typing import Any
 
 import torch
 
-from gspo.models.lean_forward import key_bias, lean_hidden
+from gspo.models.lean_forward import key_bias, lean_hidden, lean_joint_hidden
 from gspo.models.logprobs import _split, head_logprobs, token_logprobs
 from gspo.models.moe import PackedRouting, has_routers, packed_routing
+
+# The lean passes run the prompts and the responses through each layer together. False runs
+# them one after the other, as compiled layers and ``forward`` do: the comparison arm of
+# ``benchmarks/bench_async.py`` (``sync-twopass``); the two agree to fp32 rounding.
+JOINT_LAYERS = True
 
 
 def _prefixes(input_ids: torch.Tensor,
@@ -133,6 +144,17 @@ def _packed_pass(model: Any, input_ids: torch.Tensor, target_mask: torch.Tensor,
         p_ids[i, width - len(p):] = torch.tensor(p, device=dev)
         p_mask[i, width - len(p):] = 1
     p_pos = (p_mask.cumsum(-1) - 1).clamp(min=0)
+    cols = torch.arange(r_width, device=dev)
+    r_ids = torch.where(valid, input_ids.gather(1, src), 0)
+    mask = torch.cat([p_mask[owner], valid.long()], dim=1)
+    r_pos = starts[:, None] + cols[None]
+    if lean and JOINT_LAYERS and not compiled:  # both parts through each layer together
+        p_hidden, hidden = lean_joint_hidden(
+            backbone, p_ids, p_pos, key_bias(p_mask, width, head.weight.dtype), r_ids, r_pos,
+            key_bias(mask, r_width, head.weight.dtype), owner)
+        return _head_pass(head, p_hidden[:, -1], hidden, owner, valid, src, r_ids, starts,
+                          target_mask, temperature=temperature, chunk=chunk,
+                          with_entropy=with_entropy)
     if lean:
         p_hidden, kv = lean_hidden(backbone, p_ids, p_pos,
                                    key_bias(p_mask, width, head.weight.dtype), keep_kv=True,
@@ -149,17 +171,25 @@ def _packed_pass(model: Any, input_ids: torch.Tensor, target_mask: torch.Tensor,
         cache, last = out[key], out.last_hidden_state[:, -1]
         cache.batch_select_indices(owner)  # row i reads prompt owner[i]'s keys and values
     # 2. The responses on top: right-padded, positions continuing each row's prompt.
-    cols = torch.arange(r_width, device=dev)
-    r_ids = torch.where(valid, input_ids.gather(1, src), 0)
-    mask = torch.cat([p_mask[owner], valid.long()], dim=1)
-    r_pos = starts[:, None] + cols[None]
     if lean:
         hidden = lean_hidden(backbone, r_ids, r_pos, key_bias(mask, r_width, head.weight.dtype),
                              past=kv, compiled=compiled)[0]
     else:
         hidden = backbone(input_ids=r_ids, attention_mask=mask, position_ids=r_pos,
                           **{key: cache}, use_cache=True).last_hidden_state
-    # 3. Response token j is predicted by the state before it: the prompt's last one for j = 0.
+    return _head_pass(head, last, hidden, owner, valid, src, r_ids, starts, target_mask,
+                      temperature=temperature, chunk=chunk, with_entropy=with_entropy)
+
+
+def _head_pass(head: Any, last: torch.Tensor, hidden: torch.Tensor, owner: torch.Tensor,
+               valid: torch.Tensor, src: torch.Tensor, r_ids: torch.Tensor,
+               starts: torch.Tensor, target_mask: torch.Tensor, *, temperature: float,
+               chunk: int, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """3. The output layer on the states that predict each target: ``last`` [P, hidden] (each
+    prompt's last state) and ``hidden`` [B, R, hidden] (the responses'), back in the [B, T]
+    layout of ``target_mask``."""
+    dev = hidden.device
+    # Response token j is predicted by the state before it: the prompt's last one for j = 0.
     before = torch.cat([last[owner][:, None], hidden[:, :-1]], dim=1)
     targets = valid & target_mask.bool().gather(1, src)
     rows, j = targets.nonzero(as_tuple=True)

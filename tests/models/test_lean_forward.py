@@ -165,3 +165,49 @@ def test_compile_unsupported_names_the_missing_compiler(monkeypatch):
     assert "C++ compiler" in lf.compile_unsupported(torch.device("cpu"))
     monkeypatch.setattr(lf.shutil, "which", lambda name: f"/usr/bin/{name}")
     assert lf.compile_unsupported(torch.device("cpu")) is None
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen2_moe"])
+def test_packed_lean_pass_multiplies_each_weight_once(kind, monkeypatch):
+    """The packed lean pass runs the prompts and the responses through each layer together:
+    every attention and MLP weight enters one matrix product per forward (two when the passes
+    run one after the other, ``JOINT_LAYERS=False``), with the same log-probs and gradients."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import gspo.models.packing as packing
+
+    class Products(TorchDispatchMode):
+        def __init__(self, weights):
+            super().__init__()
+            self.weights, self.calls = weights, dict.fromkeys(weights.values(), 0)
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
+                        torch.ops.aten.bmm.default):
+                for a in args:
+                    name = self.weights.get(getattr(a, "data_ptr", lambda: None)())
+                    if name is not None:
+                        self.calls[name] += 1
+            return func(*args, **(kwargs or {}))
+
+    model = _model(kind).train()
+    # attention and dense-MLP projections (an MoE block runs as its module on each part)
+    weights = {p.data_ptr(): n for n, p in model.named_parameters()
+               if (".self_attn." in n and n.endswith("proj.weight"))
+               or n.split(".mlp.")[-1] in ("gate_proj.weight", "up_proj.weight",
+                                           "down_proj.weight")}
+    assert len(weights) == (4 if "moe" in kind else 7) * 3
+    b = _batch()
+    args = (model, b["input_ids"], b["attention_mask"], b["response_mask"])
+    out = {}
+    for joint in (True, False):
+        monkeypatch.setattr(packing, "JOINT_LAYERS", joint)
+        with torch.no_grad(), Products(weights) as count:
+            shared_prefix_logprobs(*args, lean=True)
+        assert set(count.calls.values()) == {1 if joint else 2}, count.calls
+        out[joint] = _run(shared_prefix_logprobs, model, b, lean=True)
+    (lp1, ent1, g1), (lp0, ent0, g0) = out[True], out[False]
+    torch.testing.assert_close(lp1, lp0, rtol=0, atol=2e-6)
+    torch.testing.assert_close(ent1, ent0, rtol=0, atol=2e-6)
+    for name in g0:
+        torch.testing.assert_close(g1[name], g0[name], rtol=1e-4, atol=1e-6, msg=name)

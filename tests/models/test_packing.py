@@ -87,8 +87,9 @@ def _real(b):
 MOE_FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe"]
 
 
+@pytest.mark.parametrize("lean", [False, True])  # through forward / the joint lean pass
 @pytest.mark.parametrize("family", MOE_FAMILIES)
-def test_moe_packed_capture_records_the_plain_layout(family):
+def test_moe_packed_capture_records_the_plain_layout(family, lean):
     from gspo.models.moe import capture_routing
 
     model = _moe(family).eval()
@@ -96,9 +97,9 @@ def test_moe_packed_capture_records_the_plain_layout(family):
     args = (model, b["input_ids"], b["attention_mask"], b["response_mask"])
     with torch.no_grad():
         with capture_routing(model) as plain:
-            lp0, _ = token_logprobs(*args)
+            lp0, _ = token_logprobs(*args, lean=lean)
         with capture_routing(model, record_logits=True) as packed:
-            lp1, _ = shared_prefix_logprobs(*args)
+            lp1, _ = shared_prefix_logprobs(*args, lean=lean)
     torch.testing.assert_close(lp1, lp0, rtol=0, atol=1e-5)
     real = _real(b)
     n = b["input_ids"].numel()
@@ -108,8 +109,9 @@ def test_moe_packed_capture_records_the_plain_layout(family):
         assert torch.equal(logits.topk(2, -1).indices, new)  # logits follow the same layout
 
 
+@pytest.mark.parametrize("lean", [False, True])
 @pytest.mark.parametrize("family", MOE_FAMILIES)
-def test_moe_packed_replay_equals_plain_replay(family):
+def test_moe_packed_replay_equals_plain_replay(family, lean):
     """Replaying one recorded routing (here: random experts, far from the router's own) through
     the packed pass gives the plain pass's replayed log-probs, and its gradients."""
     from gspo.models.moe import replay_routing
@@ -133,7 +135,8 @@ def test_moe_packed_replay_equals_plain_replay(family):
     for fn in (token_logprobs, shared_prefix_logprobs):
         model.zero_grad(set_to_none=True)
         with replay_routing(model, forced) as rep:
-            lp, _ = fn(model, b["input_ids"], b["attention_mask"], b["response_mask"])
+            lp, _ = fn(model, b["input_ids"], b["attention_mask"], b["response_mask"],
+                       lean=lean)
             (lp * w).sum().backward()
         out.append((lp.detach(), {k: p.grad.clone() for k, p in model.named_parameters()
                                   if p.grad is not None}, rep.calls))
@@ -146,10 +149,11 @@ def test_moe_packed_replay_equals_plain_replay(family):
     with torch.no_grad(), replay_routing(model, [f[:-1] for f in forced]):
         with pytest.raises(ValueError, match="same \\(B, T\\) layout"):
             shared_prefix_logprobs(model, b["input_ids"], b["attention_mask"],
-                                   b["response_mask"])
+                                   b["response_mask"], lean=lean)
 
 
-def test_moe_packed_aux_logits_follow_the_plain_layout():
+@pytest.mark.parametrize("lean", [False, True])
+def test_moe_packed_aux_logits_follow_the_plain_layout(lean):
     """The load-balancing loss reads router logits with gradient in the [B*T] layout."""
     from gspo.trainer.moe_hooks import moe_forward
 
@@ -158,7 +162,7 @@ def test_moe_packed_aux_logits_follow_the_plain_layout():
     got = []
     for fn in (token_logprobs, shared_prefix_logprobs):
         with moe_forward(model, None, False, True) as out:
-            fn(model, b["input_ids"], b["attention_mask"], b["response_mask"])
+            fn(model, b["input_ids"], b["attention_mask"], b["response_mask"], lean=lean)
         got.append(out["live_logits"])
     real = _real(b)
     assert len(got[1]) == 2 and all(x.requires_grad for x in got[1])
