@@ -24,6 +24,10 @@ benchmark's, configured the same way. Arms (``--arms``), each with its thread co
   ``sync-bf16@1``, ``sync-bf16@2``: ``rollout.precision=bf16`` (a bfloat16 copy of the fp32
   policy samples, its decode products through ``F.linear``, which runs on AMX tiles on hosts
   that have them; the π_old pass and the update stay fp32, so the ratios do too).
+  ``sync-twopass@1``, ``sync-twopass@2``: the packed lean pass (π_old and update) with the
+  prompts and then the responses each through the whole backbone, one pass after the other
+  (``gspo.models.packing.JOINT_LAYERS = False``, gspo's pass before 2026-12-06), against the
+  default's one pass with both parts through each layer together.
   Every gspo arm also records its kernel (sys) CPU time and minor page faults a step;
 - ``async1@1+1``, ``async2@1+1``: ``rollout.async_steps=1`` / ``2``, the trainer on 1 thread and
   the engine process on 1 (``rollout.async_threads=1``): 2 cores in all; the engine also runs
@@ -112,6 +116,9 @@ ARMS: dict[str, tuple[str, int, int, list[str]]] = {
     "sync-bind@1": ("gspo", 1, 0, []),
     "sync-bind@2": ("gspo", 2, 0, []),
     # a bfloat16 copy of the policy samples (bf16 products: AMX on hosts with it); fp32 training
+    # the packed lean pass's prompts and responses one pass after the other (JOINT_LAYERS)
+    "sync-twopass@1": ("gspo", 1, 0, []),
+    "sync-twopass@2": ("gspo", 2, 0, []),
     "sync-bf16@1": ("gspo", 1, 0, ["rollout.precision=bf16"]),
     "sync-bf16@2": ("gspo", 2, 0, ["rollout.precision=bf16"]),
     "async1@1+1": ("gspo", 1, 1, ["rollout.async_steps=1", "rollout.async_threads=1"]),
@@ -163,7 +170,8 @@ LINKS = {a: "1gbit" for a in ("async1-remote1gbit@1+1", "async1-remote1gbit-bloc
 VARIANTS = {"compile": "compile_layers", "thp": "THP_MEM_ALLOC_ENABLE=1",
             "jemalloc": "jemalloc (LD_PRELOAD)", "tcmalloc": "tcmalloc (LD_PRELOAD)",
             "bind": "OMP_PROC_BIND=close OMP_PLACES=cores",
-            "bf16": "rollout.precision=bf16"}
+            "bf16": "rollout.precision=bf16",
+            "twopass": "two passes (prompts, then responses; the packing before 2026-12-06)"}
 
 
 def total_threads(arm: str) -> int:
@@ -214,6 +222,10 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     if lib and lib not in Path("/proc/self/maps").read_text():
         raise RuntimeError(f"{spec['arm']}: {lib} was not preloaded")
     child = {**spec, "threads": threads, "overrides": overrides}
+    if "-twopass@" in spec["arm"]:  # measurement only: the packed lean pass of before
+        from gspo.models import packing
+
+        packing.JOINT_LAYERS = False
     if "-remote" in spec["arm"]:  # its engine: `gspo engine ADDRESS` in a process of its own
         made: list[str] = []
         if spec["arm"] in LINKS:  # ... on another host behind a link of LINKS[arm]'s rate
