@@ -116,8 +116,8 @@ def test_lean_forward_gives_the_same_update_as_forward(tmp_path):
         t, *out[lean] = _one_step(tmp_path, f"l{lean}", f"lean_forward={lean}")
         assert t.logprob_fn.keywords == {"lean": lean == "true", "compiled": False}
     assert out["true"][1] == pytest.approx(out["false"][1], rel=1e-4, abs=1e-8)
-    for k in out["true"][0]:
-        torch.testing.assert_close(out["true"][0][k], out["false"][0][k], rtol=1e-4, atol=1e-5)
+    for k in out["true"][0]:  # as above: Adam's first step turns rounding into ~1e-5 of weight
+        torch.testing.assert_close(out["true"][0][k], out["false"][0][k], rtol=1e-3, atol=1e-4)
     moe = Trainer(_cfg(tmp_path, "moe", "model=tiny:qwen3_moe", "steps=1"),
                   reward_fns=[char_codes]).setup()
     assert moe.logprob_fn.keywords == {"lean": True, "compiled": False}
