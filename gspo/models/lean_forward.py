@@ -153,9 +153,9 @@ def lean_joint_hidden(backbone: Any, prompt_ids: torch.Tensor, prompt_pos: torch
     :func:`lean_hidden` on the continuations over those keys and values (``past``), in one
     pass: every projection multiplies the prompts' and the continuations' token rows as one
     matrix product, and the embedding runs once. Each weight's gradient is then one product
-    rather than two products and a sum of weight-sized tensors (the SmolLM2 update step,
-    8 rows over 2 prompts on 2 threads: forward and backward 1.58 -> 1.45 s, measured by
-    ``benchmarks/bench_update.py --joint``). Only attention runs apart: the prompts among
+    rather than two products and a sum of weight-sized tensors: the SmolLM2 step's update
+    1.02x faster on 1 thread and 1.03x on 2 (``python -m benchmarks.bench_async --arms
+    sync@1,sync@2,sync-twopass@1,sync-twopass@2``). Only attention runs apart: the prompts among
     themselves, each continuation over its prompt's keys (row i reads prompt ``owner[i]``)
     and its own. A Mixture-of-Experts block runs as its module on the prompts, then on the
     continuations, as in the two passes (its router calls keep their layout).
