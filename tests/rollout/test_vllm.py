@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from proc_session import run_session
 
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
@@ -281,7 +282,6 @@ def test_vllm_engines_under_torchrun_train_as_one_process(tmp_path, dynamic, k):
     one process keeps."""
     import json
     import os
-    import subprocess
     import sys
     from pathlib import Path
 
@@ -307,8 +307,7 @@ def test_vllm_engines_under_torchrun_train_as_one_process(tmp_path, dynamic, k):
             ("one", [sys.executable, "-m", "gspo"],
              {k: v for k, v in env.items() if k not in ("RANK", "WORLD_SIZE")}),
             ("two", torchrun, env)):
-        proc = subprocess.run([*launcher, *args, f"run_name={name}"], env=run_env,
-                              capture_output=True, text=True, timeout=900)
+        proc = run_session([*launcher, *args, f"run_name={name}"], env=run_env, timeout=900)
         assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {n: [json.loads(x) for x in open(tmp_path / n / "metrics.jsonl") if "train/loss" in x]
             for n in ("one", "two")}
@@ -337,7 +336,6 @@ def test_routed_experts_need_model_runner_v2_which_vllm_cpu_lacks(tmp_path):
     ``Rollout.routing`` layout (see gspo.rollout.batch) and lift the trainer's ConfigError.
     """
     import os
-    import subprocess
     import sys
 
     from transformers import AutoModelForCausalLM
@@ -359,6 +357,5 @@ def test_routed_experts_need_model_runner_v2_which_vllm_cpu_lacks(tmp_path):
             f"    VLLMEngine({str(tmp_path)!r}, dtype='float32', eos=[1], "
             f"enable_return_routed_experts=True, **{MEMORY!r})\n")
     env = {**os.environ, "VLLM_USE_V2_MODEL_RUNNER": "1"}
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=300)
+    run = run_session([sys.executable, "-c", code], env=env, timeout=300)
     assert run.returncode != 0 and "Model Runner V2 requires Triton" in run.stderr, run.stderr

@@ -6,7 +6,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import subprocess
 import sys
 import textwrap
 from datetime import timedelta
@@ -16,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as tdist
 import torch.multiprocessing as mp
+from proc_session import run_session
 
 from gspo.config import ObjectiveConfig
 from gspo.models import load_model
@@ -240,16 +240,16 @@ def test_a_train_step_under_torchrun_matches_one_process(tmp_path):
     script.write_text(TRAIN_STEP)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     multi = [f"{s}:{s}:{m}" for s, m in JOBS]
-    proc = subprocess.run(
+    proc = run_session(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD),
          "--standalone", str(script), str(tmp_path), *multi],
-        env=env, capture_output=True, text=True, timeout=600)
+        env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "terminate called" not in proc.stderr
     single_env = {k: v for k, v in env.items() if k not in ("WORLD_SIZE", "RANK")}
     single = [f"single-{s}:{s}:{m}" for s, m in JOBS]
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path), *single],
-                          env=single_env, capture_output=True, text=True, timeout=600)
+    proc = run_session([sys.executable, str(script), str(tmp_path), *single],
+                       env=single_env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for strategy, model in JOBS:
         got = torch.load(tmp_path / f"{strategy}.pt")
@@ -277,10 +277,10 @@ def test_gspo_train_under_torchrun_checkpoints_on_rank_0_and_resumes_in_one_proc
               "rollout.group_size=4", "rollout.temperature=1.0", "task.eval_size=4",
               "rollout.eval_max_new_tokens=4", "objective.num_minibatches=3", "save_every=1"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(
+    proc = run_session(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD),
          "--standalone", "-m", "gspo", "train", *common, "steps=2",
-         "dist.strategy=fsdp2"], env=env, capture_output=True, text=True, timeout=600)
+         "dist.strategy=fsdp2"], env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "terminate called" not in proc.stderr
     assert proc.stdout.count("run folder:") == 1  # rank 0 speaks
@@ -291,9 +291,8 @@ def test_gspo_train_under_torchrun_checkpoints_on_rank_0_and_resumes_in_one_proc
 
     weights = load_file(run / "checkpoints" / "step_000002" / "model.safetensors")
     assert weights["model.embed_tokens.weight"].shape == (259, 64)  # full, not a shard
-    proc = subprocess.run([sys.executable, "-m", "gspo", "train", *common, "steps=3",
-                           f"resume={run}"], env=env, capture_output=True, text=True,
-                          timeout=600)
+    proc = run_session([sys.executable, "-m", "gspo", "train", *common, "steps=3",
+                        f"resume={run}"], env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (run / "checkpoints" / "step_000003").is_dir()
 

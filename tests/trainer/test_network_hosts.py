@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import pytest
+from proc_session import run_session
 from safetensors.torch import load_file
 
 from gspo.rollout import gloo_net
@@ -191,8 +192,8 @@ def _local(out: Path, world: int) -> Path:
     """The same run on this machine, its engines spawned here: 1 process or torchrun."""
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
                  "--nproc_per_node", str(world)] if world > 1 else [sys.executable])
-    proc = subprocess.run([*launcher, "-m", "gspo", "train", *COMMON, f"output_dir={out}"],
-                          env=_env(out), capture_output=True, text=True, timeout=300)
+    proc = run_session([*launcher, "-m", "gspo", "train", *COMMON, f"output_dir={out}"],
+                       env=_env(out), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out / "r"
 

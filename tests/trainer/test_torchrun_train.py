@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from proc_session import run_session
 from safetensors.torch import load_file
 
 from gspo.config import ConfigError, load_config
@@ -69,8 +70,8 @@ def _train(out: Path, *extra: str, world: int = WORLD, engines: list[str] = ()) 
     servers = [subprocess.Popen([sys.executable, "-m", "gspo", "engine", a, "--timeout", "300"],
                                 env=env, stderr=subprocess.PIPE, text=True) for a in engines]
     try:
-        proc = subprocess.run([*launcher, "train", *COMMON, f"output_dir={out}", *extra],
-                              env=env, capture_output=True, text=True, timeout=600)
+        proc = run_session([*launcher, "train", *COMMON, f"output_dir={out}", *extra],
+                           env=env, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert "terminate called" not in proc.stderr
         for s in servers:
@@ -166,10 +167,9 @@ def test_async_under_torchrun_matches_one_process_and_resumes(tmp_path, strategy
     crashed, resumed = _killed_and_resumed(tmp_path, two, 2, *extra, "steps=3")
     assert _max_diff(_weights(resumed, 3), _weights(two, 3)) == 0.0
     assert [r["train/loss"] for r in _rows(resumed)] == [r["train/loss"] for r in rows_two]
-    proc = subprocess.run([sys.executable, "-m", "gspo", "train", *COMMON, *extra, "steps=3",
-                           f"output_dir={crashed.parent}", f"resume={resumed}"],
-                          env=_env(crashed.parent, 1),
-                          capture_output=True, text=True, timeout=600)
+    proc = run_session([sys.executable, "-m", "gspo", "train", *COMMON, *extra, "steps=3",
+                        f"output_dir={crashed.parent}", f"resume={resumed}"],
+                       env=_env(crashed.parent, 1), timeout=600)
     assert proc.returncode == 2
     assert "sampled by 2 trainer process(es)" in proc.stderr.strip().splitlines()[-1]
 

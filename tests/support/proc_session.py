@@ -1,0 +1,29 @@
+"""Launching commands that start processes of their own (torchrun and its workers) from tests.
+
+``pyproject.toml`` puts this folder on the tests' import path: ``from proc_session import
+run_session``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from typing import Any
+
+
+def run_session(cmd: list[str], *, timeout: float, **kw: Any) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kw)`` for a
+    command that starts processes of its own. The command runs in a session of its own, and
+    when it outlives ``timeout`` (or the test stops while it runs) the whole session is
+    killed. ``subprocess.run`` kills only the command: torchrun's workers keep running, and
+    its wait for their output then hangs the test for as long as they live."""
+    proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **kw)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:  # timed out, or interrupted
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
