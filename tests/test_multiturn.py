@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from engine_procs import gspo_engines
 
 from gspo.config import ConfigError, load_config
 from gspo.data import format_prompt
@@ -311,8 +312,6 @@ def test_a_gspo_engine_runs_lora_multi_turn_episodes_as_the_spawned_engine_does(
     two-turn episodes, sampled by a ``gspo engine`` process, gives the spawned engine's run
     (losses, episode metrics) exactly."""
     import socket
-    import subprocess
-    import sys
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -320,13 +319,8 @@ def test_a_gspo_engine_runs_lora_multi_turn_episodes_as_the_spawned_engine_does(
     extra = ["rollout.async_steps=1", "lora.r=4", "optim.lr=1e-2",
              "logging.rollout_check_every=1"]
     _, local = _two_turn_run(tmp_path, "local", *extra)
-    engine = subprocess.Popen([sys.executable, "-m", "gspo", "engine", address,
-                               "--timeout", "300"], stderr=subprocess.PIPE, text=True)
-    try:
+    with gspo_engines([address]):
         _, remote = _two_turn_run(tmp_path, "remote", *extra, f"rollout.async_address={address}")
-        assert engine.wait(timeout=60) == 0, engine.stderr.read()[-3000:]
-    finally:
-        engine.kill()
     for key in ("train/loss", "rollout/turns_mean", "rollout/observation_tokens_mean"):
         assert [r[key] for r in remote] == [r[key] for r in local], key
     assert all(r["async/engine_mismatch_abs_max"] < 3e-5 for r in remote)

@@ -1,11 +1,13 @@
-"""The tests' launcher helper (``tests/support/proc_session.py``): on a timeout it kills every
-process the command started, not only the command (torchrun's workers outlive torchrun)."""
+"""The tests' launcher helpers (``tests/support``): ``run_session`` kills, on a timeout, every
+process the command started, not only the command (torchrun's workers outlive torchrun);
+``gspo_engines`` fails a block whose engines did not exit cleanly, and outlives none of them."""
 
 import subprocess
 import sys
 import time
 
 import pytest
+from engine_procs import gspo_engines
 from proc_session import run_session
 
 LAUNCHER = """
@@ -42,3 +44,23 @@ def test_a_finished_command_returns_as_subprocess_run_does():
     code = "import sys; print('out'); print('err', file=sys.stderr); sys.exit(3)"
     proc = run_session([sys.executable, "-c", code], timeout=60)
     assert (proc.returncode, proc.stdout, proc.stderr) == (3, "out\n", "err\n")
+
+
+def test_an_engine_that_failed_fails_the_block_with_its_error():
+    with pytest.raises(AssertionError, match="address must be tcp://HOST:PORT"):
+        with gspo_engines(["nonsense://x"]):
+            pass
+
+
+def test_no_engine_outlives_a_block_that_raised(tmp_path):
+    with pytest.raises(KeyError):
+        with gspo_engines([f"file://{tmp_path}/store"], timeout_s=120) as (engine,):
+            raise KeyError("the test failed")
+    assert engine.returncode is not None  # killed and reaped on the way out
+
+
+def test_a_launched_command_can_import_what_the_tests_import():
+    """A child that imports a test module (an engine unpickling a test's class) needs the
+    helpers that module imports."""
+    proc = run_session([sys.executable, "-c", "import engine_procs, proc_session"], timeout=60)
+    assert proc.returncode == 0, proc.stderr

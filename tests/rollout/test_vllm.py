@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_procs import gspo_engines
 from proc_session import run_session
 
 pytestmark = pytest.mark.vllm
@@ -195,8 +196,6 @@ def test_async_steps_with_the_vllm_engine_sample_the_published_versions(tmp_path
     update behind this step's weights. The same run with vLLM in a ``gspo engine`` process
     (weights by broadcast, as on an inference machine) trains to the same weights."""
     import socket
-    import subprocess
-    import sys
 
     from safetensors.torch import load_file
 
@@ -214,14 +213,9 @@ def test_async_steps_with_the_vllm_engine_sample_the_published_versions(tmp_path
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
-    engine = subprocess.Popen([sys.executable, "-m", "gspo", "engine", address,
-                               "--timeout", "300"], stderr=subprocess.PIPE, text=True)
-    try:
+    with gspo_engines([address], exit_s=120):
         remote, rows_remote = _async_vllm_run(tmp_path, "remote",
                                               f"rollout.async_address={address}")
-        assert engine.wait(timeout=120) == 0, engine.stderr.read()[-3000:]
-    finally:
-        engine.kill()
     assert [r["train/loss"] for r in rows_remote] == [r["train/loss"] for r in rows]
     wa, wb = (load_file(t.run_dir / "checkpoints/step_000004/model.safetensors")
               for t in (local, remote))

@@ -12,6 +12,7 @@ import json
 
 import pytest
 import torch
+from engine_procs import gspo_engines
 from safetensors.torch import load_file
 
 from gspo.config import ConfigError, load_config
@@ -759,21 +760,14 @@ def test_an_engine_started_elsewhere_gives_the_local_engines_run_bit_for_bit(tmp
     k = 2 trains to the weights of the local engine process exactly, staleness included. A
     LoRA policy at k = 1: from version 2 on, a slot the engine filled before gets only the
     adapter (step 4 samples from one)."""
-    import subprocess
-    import sys
 
     k = 2 if policy == "full" else 1
     extra = ["steps=4", f"rollout.async_steps={k}", "logging.rollout_check_every=1",
              *(["lora.r=4"] if policy == "lora" else [])]
     local = _trained(_cfg(tmp_path, "local", *extra))
     address = f"tcp://127.0.0.1:{_free_port()}"
-    engine = subprocess.Popen([sys.executable, "-m", "gspo", "engine", address,
-                               "--timeout", "300"], stderr=subprocess.PIPE, text=True)
-    try:
+    with gspo_engines([address]):
         remote = _trained(_cfg(tmp_path, "remote", *extra, f"rollout.async_address={address}"))
-        assert engine.wait(timeout=60) == 0, engine.stderr.read()
-    finally:
-        engine.kill()
     _assert_same_run(local, remote, step=4)
     rows_remote = _rows(remote)
     assert [r["async/staleness_max"] for r in rows_remote] == [min(t, k) for t in range(4)]
@@ -791,22 +785,15 @@ def test_extra_draws_from_an_engine_elsewhere_or_two_engines_train_as_the_spawne
     a `gspo engine` started elsewhere gives the spawned engine's run bit for bit (the
     ``(step, draw)`` keys travel over its link), and two engines, each with its share of every
     draw, the same rewards and losses."""
-    import subprocess
-    import sys
 
     monkeypatch.setattr(Trainer, "_extra_draws_here", lambda self: False)
     extra = ["steps=3", "rollout.async_steps=1", "rollout.dynamic_sampling=true",
              "logging.rollout_check_every=1"]
     local = _trained(_cfg(tmp_path, "local", *extra), reward=flat_first_group)
     address = f"tcp://127.0.0.1:{_free_port()}"
-    engine = subprocess.Popen([sys.executable, "-m", "gspo", "engine", address,
-                               "--timeout", "300"], stderr=subprocess.PIPE, text=True)
-    try:
+    with gspo_engines([address]):
         remote = _trained(_cfg(tmp_path, "remote", *extra, f"rollout.async_address={address}"),
                           reward=flat_first_group)
-        assert engine.wait(timeout=60) == 0, engine.stderr.read()
-    finally:
-        engine.kill()
     _assert_same_run(local, remote, step=3)
     two = _trained(_cfg(tmp_path, "two", *extra, "rollout.async_engines=2"),
                    reward=flat_first_group)
@@ -820,27 +807,23 @@ def test_extra_draws_from_an_engine_elsewhere_or_two_engines_train_as_the_spawne
 def test_an_engine_started_elsewhere_reports_its_failure_to_the_trainer(tmp_path):
     """A request for a version the trainer never published: the engine waits for it (here
     3 s), then the trainer's take raises with the engine's own error."""
-    import subprocess
-    import sys
 
     from gspo.models import token_logprobs
     from gspo.rollout.async_engine import Recompute
     from gspo.rollout.remote_engine import RemoteEngine
 
     address = f"file://{tmp_path}/store"
-    engine = subprocess.Popen([sys.executable, "-m", "gspo", "engine", address,
-                               "--timeout", "3"], stderr=subprocess.PIPE, text=True)
-    model, tok = load_model("tiny:llama", seed=0)
-    eng = RemoteEngine(model, tok, address=address, engine="hf", opts=EngineOptions(),
-                       steps_ahead=1, threads=1, recompute=Recompute(token_logprobs, 1.0, 8, 0),
-                       timeout_s=120)
-    try:
-        eng.submit(Request(0, 3, [[1, 2]], 2, SamplingParams(3, 1.0), [0], False))
-        with pytest.raises(RuntimeError, match="needs policy version 3, but slot 1 holds"):
-            eng.take()
-    finally:
-        eng.close()
-        assert engine.wait(timeout=60) == 0, engine.stderr.read()
+    with gspo_engines([address], timeout_s=3):
+        model, tok = load_model("tiny:llama", seed=0)
+        eng = RemoteEngine(model, tok, address=address, engine="hf", opts=EngineOptions(),
+                           steps_ahead=1, threads=1,
+                           recompute=Recompute(token_logprobs, 1.0, 8, 0), timeout_s=120)
+        try:
+            eng.submit(Request(0, 3, [[1, 2]], 2, SamplingParams(3, 1.0), [0], False))
+            with pytest.raises(RuntimeError, match="needs policy version 3, but slot 1 holds"):
+                eng.take()
+        finally:
+            eng.close()
 
 
 @pytest.mark.slow
@@ -878,8 +861,6 @@ def test_two_engines_for_one_trainer_sample_and_train_as_one(tmp_path):
     rows instead of 8 round differently, which AdamW turns into ~lr x noise on weights whose
     gradient is near 0), with the same rewards. Two `gspo engine`s in its place give the
     spawned engines' run bit for bit."""
-    import subprocess
-    import sys
 
     extra = ["steps=3", "rollout.async_steps=1", "optim.lr=1e-4", "save_every=1"]
     one = _trained(_cfg(tmp_path, "one", *extra))
@@ -890,14 +871,7 @@ def test_two_engines_for_one_trainer_sample_and_train_as_one(tmp_path):
     assert [r["reward/mean"] for r in _rows(one)] == [r["reward/mean"] for r in _rows(two)]
     assert [r["async/staleness_max"] for r in _rows(two)] == [0, 1, 1]
     addresses = [f"tcp://127.0.0.1:{_free_port()}" for _ in range(2)]
-    servers = [subprocess.Popen([sys.executable, "-m", "gspo", "engine", a, "--timeout", "300"],
-                                stderr=subprocess.PIPE, text=True) for a in addresses]
-    try:
+    with gspo_engines(addresses):
         remote = _trained(_cfg(tmp_path, "remote", *extra, "rollout.async_engines=2",
                                f"rollout.async_address={','.join(addresses)}"))
-        for s in servers:
-            assert s.wait(timeout=60) == 0, s.stderr.read()
-    finally:
-        for s in servers:
-            s.kill()
     _assert_same_run(two, remote, step=3)

@@ -11,12 +11,12 @@ import json
 import os
 import shutil
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from engine_procs import gspo_engines
 from proc_session import run_session
 from safetensors.torch import load_file
 
@@ -67,18 +67,11 @@ def _train(out: Path, *extra: str, world: int = WORLD, engines: list[str] = ()) 
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
                  "--standalone", "-m", "gspo"] if world > 1 else [sys.executable, "-m", "gspo"])
     env = _env(out, world)
-    servers = [subprocess.Popen([sys.executable, "-m", "gspo", "engine", a, "--timeout", "300"],
-                                env=env, stderr=subprocess.PIPE, text=True) for a in engines]
-    try:
+    with gspo_engines(list(engines), env=env):
         proc = run_session([*launcher, "train", *COMMON, f"output_dir={out}", *extra],
                            env=env, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert "terminate called" not in proc.stderr
-        for s in servers:
-            assert s.wait(timeout=60) == 0, s.stderr.read()[-2000:]
-    finally:
-        for s in servers:
-            s.kill()
     return out / "r"
 
 
