@@ -12,8 +12,9 @@ weights: embedding, the model's rotary module (cos/sin) applied as in
 :func:`gspo.models.decode._rope` (bitwise Llama's), the norm modules, the projections as
 ``F.linear`` on their weights, ``F.scaled_dot_product_attention`` with an additive mask from
 :func:`key_bias`, the MLP's own activation; a Mixture-of-Experts layer's block (router and
-experts) runs as its own module. It can continue from the keys and values of an earlier pass
-(the shared-prompt packing of :mod:`gspo.models.packing`). It covers what
+experts) runs as its own module. It can continue from the keys and values of an earlier pass;
+:func:`lean_joint_hidden` instead runs the prompts and their continuations through each layer
+together (the shared-prompt packing of :mod:`gspo.models.packing`). It covers what
 :func:`gspo.models.decode.unsupported` allows, and :func:`lean_unsupported` adds what only
 matters under training (gradient checkpointing, attention dropout); everything else keeps
 ``forward``. Log-probs and gradients equal ``forward``'s (tests/models/test_lean_forward.py).
