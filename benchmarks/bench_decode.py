@@ -27,17 +27,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import fmt, machine, median, result_name, write_result
-
-
-def _cpu_time(fn: Any, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.process_time()
-        fn()
-        times.append(time.process_time() - t0)
-    return median(times)
+from benchmarks.common import fmt, machine, median, median_time, result_name, write_result
 
 
 @torch.no_grad()
@@ -93,7 +83,7 @@ def linear_pass(layers: list[torch.Tensor], rows: int, reps: int) -> dict[str, f
         for x, w in zip(xs, layers):
             torch.nn.functional.linear(x, w)
 
-    s = _cpu_time(run, reps)
+    s = median_time(run, reps, time.process_time)
     flop = sum(2 * rows * w.numel() for w in layers)
     nbytes = sum(w.numel() * w.element_size() for w in layers)
     return {"s": s, "gflops": flop / s / 1e9, "weight_gb_s": nbytes / s / 1e9}

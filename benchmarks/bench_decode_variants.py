@@ -25,20 +25,10 @@ import sys
 import time
 from typing import Any
 
-from benchmarks.common import child_main, machine, median, run_child, write_result
+from benchmarks.common import child_main, machine, median, median_time, run_child, write_result
 
 MODEL = "smollm2-135m-instruct"
 LAYER = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
-
-
-def _median_s(fn: Any, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return median(times)
 
 
 def _fuse(reps: int) -> dict[str, Any]:
@@ -102,9 +92,9 @@ def _attention(reps: int) -> dict[str, Any]:
     calls, out = 100, {}  # calls per timing
     for s in (45, 75):
         out[str(s)] = {
-            "written_us": _median_s(lambda s=s: [written(s) for _ in range(calls)], reps)
+            "written_us": median_time(lambda s=s: [written(s) for _ in range(calls)], reps)
             / calls * 1e6,
-            "sdpa_us": _median_s(lambda s=s: [sdpa(s) for _ in range(calls)], reps) / calls * 1e6,
+            "sdpa_us": median_time(lambda s=s: [sdpa(s) for _ in range(calls)], reps) / calls * 1e6,
             "max_abs_diff": float((written(s) - sdpa(s)).abs().max())}
     return out
 
@@ -124,14 +114,14 @@ def _layout(reps: int) -> dict[str, Any]:
             pointwise(inputs[raw.shape[1]], w, None, "none", [], "")
 
     return {
-        "layers_packed_ms": _median_s(lambda: layers(packed), reps) * 1e3,
-        "layers_plain_ms": _median_s(lambda: layers(weights), reps) * 1e3,
-        "layers_reorder_s": _median_s(lambda: [reorder(w, 16) for w in weights], reps),
-        "head_packed_ms": _median_s(
+        "layers_packed_ms": median_time(lambda: layers(packed), reps) * 1e3,
+        "layers_plain_ms": median_time(lambda: layers(weights), reps) * 1e3,
+        "layers_reorder_s": median_time(lambda: [reorder(w, 16) for w in weights], reps),
+        "head_packed_ms": median_time(
             lambda: pointwise(inputs[576], head_packed, None, "none", [], ""), reps) * 1e3,
-        "head_plain_ms": _median_s(
+        "head_plain_ms": median_time(
             lambda: pointwise(inputs[576], head, None, "none", [], ""), reps) * 1e3,
-        "head_reorder_s": _median_s(lambda: reorder(head, 16), reps)}
+        "head_reorder_s": median_time(lambda: reorder(head, 16), reps)}
 
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:

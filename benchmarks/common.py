@@ -101,6 +101,18 @@ def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
+def median_time(fn: Any, reps: int, clock: Any = time.perf_counter) -> float:
+    """Median seconds of ``reps`` calls of ``fn`` on ``clock`` (wall by default;
+    ``time.process_time`` for CPU time), after one uncounted call."""
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = clock()
+        fn()
+        times.append(clock() - t0)
+    return median(times)
+
+
 def run_child(module: str, spec: dict[str, Any], *, timeout: float = 3600,
               env: dict[str, str] | None = None, python: str | None = None) -> dict[str, Any]:
     """Run ``python -m module --child '<json spec>'``; the child prints one JSON line last.
