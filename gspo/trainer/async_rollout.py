@@ -51,6 +51,10 @@ from gspo.rollout.engine import EngineOptions
 from gspo.rollout.remote_engine import RemoteEngine
 from gspo.trainer.moe_hooks import routing_change_stats
 
+# What each rank's own engine(s) took for its batch; logged as the slowest rank's
+# (gspo.trainer.metrics.max_over_ranks), as is time/publish_send_s.
+ENGINE_TIMES = ("time/rollout_engine_s", "async/engine_sync_s")
+
 
 def behaviour_version(step: int, k: int) -> int:
     """The policy version that samples the batch of ``step`` (0-based) under ``k`` steps of
@@ -181,7 +185,8 @@ class AsyncRollout:
         # time/rollout_s is the trainer's wait for the batch; the engine's own time is apart
         roll.extras = {**roll.extras,  # a multi-turn batch's rollout/turns_mean etc.
                        "time/rollout_engine_s": enc["generate_s"],
-                       # an engine's sync of its own copy of the weights (bf16, vLLM), part of
+                       # an engine's sync of its own copy of the weights (bf16, vLLM) or the
+                       # GPU engine's load of the slot onto the device, part of
                        # time/rollout_engine_s
                        "async/engine_sync_s": enc.get("sync_s", 0.0),
                        **staleness_metrics(step, roll.versions)}
@@ -207,7 +212,8 @@ class AsyncRollout:
     def publish_metrics(self) -> dict[str, float]:
         """After a publish to engines started elsewhere, ``time/publish_send_s``: how long
         the previous publish's broadcast took (it ran while this step trained; the slowest
-        engine's with several). Local engines: none (their publish is the copy itself)."""
+        engine's with several; under torchrun the trainer logs the slowest rank's). Local
+        engines: none (their publish is the copy itself)."""
         if not self.addresses:
             return {}
         return {"time/publish_send_s": float(self.engine.last_send_s)}

@@ -37,6 +37,18 @@ def stat_kind(key: str, kinds: Mapping[str, str]) -> str:
                        ) from None
 
 
+def max_over_ranks(metrics: dict[str, float], dist: Any) -> dict[str, float]:
+    """Each value's maximum over ranks (one all-reduce; every rank passes the same keys). For
+    the timings of what each rank runs on its own and the step waits for, e.g. its rollout
+    engine's: the slowest rank's, where logging rank 0's would hide a slow engine elsewhere."""
+    if not metrics or not dist.enabled:
+        return metrics
+    keys = sorted(metrics)
+    top = dist.all_reduce(torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64),
+                          "max")
+    return dict(zip(keys, top.tolist()))
+
+
 def mean_stats(stats: list[dict[str, torch.Tensor]], kinds: Mapping[str, str],
                counts: list[dict[str, float]] | None = None) -> dict[str, float]:
     """Combine each key over minibatches: min/max kinds take the min/max, the ``signal_*``

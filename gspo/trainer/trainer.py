@@ -55,6 +55,7 @@ from gspo.rollout.gloo_net import is_this_machine
 from gspo.rollout.multiturn import TurnLoop, engine_sampler, episode_metrics
 from gspo.trainer import distributed
 from gspo.trainer.async_rollout import (
+    ENGINE_TIMES,
     AsyncRollout,
     drift_metrics,
     staleness_metrics,
@@ -79,7 +80,7 @@ from gspo.trainer.dynamic_sampling import (
 from gspo.trainer.evaluate import evaluate
 from gspo.trainer.guard import GuardStop
 from gspo.trainer.host import keep_freed_memory
-from gspo.trainer.metrics import MetricsLogger, mean_stats, rollout_metrics
+from gspo.trainer.metrics import MetricsLogger, max_over_ranks, mean_stats, rollout_metrics
 from gspo.trainer.mismatch import mismatch_metrics
 from gspo.trainer.moe_hooks import policy_hooks
 from gspo.trainer.reliability import Reliability
@@ -724,6 +725,9 @@ class Trainer:
                 ((old.behaviour - old.rollout) * mask).sum(1) / mask.sum(1).clamp(min=1))
             roll.extras.update(drift_metrics(old.rollout, old.behaviour, old.recomputed, mask,
                                              self.dist))
+            # each rank's engine sampled its own share: the slowest one's time
+            roll.extras.update(max_over_ranks({k: roll.extras[k] for k in ENGINE_TIMES
+                                               if k in roll.extras}, self.dist))
         return {
             **roll.extras,
             **{k: float(v) for k, v in group_stats(rewards, roll.group_size).items()},
@@ -776,7 +780,7 @@ class Trainer:
         if self.async_rollout is not None:  # version step+1, for the batch of step+1+k
             with timer("weight_sync"), self.dist.full_weights(self.model):
                 self.async_rollout.publish(self.model, self.step + 1)
-            published = self.async_rollout.publish_metrics()
+            published = max_over_ranks(self.async_rollout.publish_metrics(), self.dist)
         elif not self.engine.capabilities.shares_policy_weights:
             with timer("weight_sync"):
                 self.sync()

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from gspo.trainer.metrics import mean_stats, reduce_stats
+from gspo.trainer.metrics import max_over_ranks, mean_stats, reduce_stats
 
 KINDS = {"objective/clip_frac_tokens": "tokens", "objective/seq_ratio_mean": "rows",
          "objective/seq_ratio_std": "std", "objective/seq_ratio_max": "max",
@@ -133,3 +133,30 @@ def test_mean_stats_weights_signal_fractions_by_each_minibatchs_signal_rows():
     none = [{"signal_rows": 0.0, "signal_tokens": 0.0}] * 3
     assert mean_stats(stats, SIGNAL_KINDS, none)["objective/clip_frac_seqs_signal"] == 0.0
     assert mean_stats(stats, SIGNAL_KINDS)["objective/clip_frac_seqs_signal"] == 0.5
+
+
+class _TwoRanks:
+    """A world of two where the other rank sends ``other`` (keys in sorted order)."""
+
+    enabled = True
+
+    def __init__(self, other: list[float]) -> None:
+        self.other, self.ops = torch.tensor(other, dtype=torch.float64), []
+
+    def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        self.ops.append(op)
+        return torch.maximum(t, self.other) if op == "max" else t + self.other
+
+
+def test_max_over_ranks_logs_the_slowest_ranks_engine():
+    """Each key's value is the larger of the two ranks', whichever rank has it."""
+    mine = {"time/rollout_engine_s": 2.0, "async/engine_sync_s": 0.25,
+            "time/publish_send_s": 1.0}
+    world = _TwoRanks([0.5, 1.5, 3.0])  # async/engine_sync_s, time/publish_send_s, time/rollout…
+    assert max_over_ranks(mine, world) == {"time/rollout_engine_s": 3.0,
+                                           "async/engine_sync_s": 0.5,
+                                           "time/publish_send_s": 1.5}
+    assert world.ops == ["max"]
+    assert max_over_ranks({}, world) == {} and world.ops == ["max"]  # nothing to send
+    one = type("One", (), {"enabled": False})()
+    assert max_over_ranks(mine, one) == mine
