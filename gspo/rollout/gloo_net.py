@@ -9,17 +9,19 @@ bind to. The helpers here find the local address on the route to a peer and the 
 holds it, so that gspo can bind there itself whenever the user has not named an interface:
 
 - the link between a trainer and a ``gspo engine`` (:mod:`gspo.rollout.remote_engine`) builds
-  its gloo groups on a device bound to that address;
+  its gloo groups on a device bound to that address (at a ``file://`` address, which names no
+  peer, each end's address as other machines reach it);
 - a torchrun trainer whose world spans machines sets ``GLOO_SOCKET_IFNAME`` to the interface
   on the route to ``MASTER_ADDR`` before it joins its process group
   (:func:`gspo.trainer.distributed.init_from_env`).
 
 A name that resolves to loopback on this machine (the master's own name, with the line above)
 names this machine as the others reach it: then the address is the source of the default
-route, or the one interface other than loopback (:func:`outward_address`).
+route (IPv4's, else IPv6's), or the one interface other than loopback (:func:`outward_address`).
 
 Tested between network namespaces of one machine (separate network stacks joined by virtual
-Ethernet links, each host's own name on 127.0.1.1): ``tests/trainer/test_network_hosts.py``.
+Ethernet links, each host's own name on 127.0.1.1), over IPv4 and over IPv6 only:
+``tests/trainer/test_network_hosts.py``.
 """
 
 from __future__ import annotations
@@ -92,6 +94,21 @@ def interface_addresses() -> dict[str, str]:
     return out
 
 
+def interface_addresses6() -> dict[str, str]:
+    """Each network interface's first global IPv6 address (Linux, from ``/proc/net/if_inet6``;
+    link-local and loopback ones, which need a scope or stay on this machine, left out)."""
+    out: dict[str, str] = {}
+    try:
+        with open("/proc/net/if_inet6") as f:  # address, index, prefix, scope, flags, name
+            for line in f:
+                fields = line.split()
+                if len(fields) == 6 and int(fields[3], 16) == 0:  # scope 0: global
+                    out.setdefault(fields[5], str(ipaddress.IPv6Address(int(fields[0], 16))))
+    except OSError:
+        pass
+    return out
+
+
 def interface_of(address: str) -> str | None:
     """The name of the network interface that holds ``address`` on this machine (Linux), or
     None."""
@@ -111,13 +128,20 @@ def interface_of(address: str) -> str | None:
 
 def outward_address() -> str | None:
     """This machine's address as other machines reach it, as far as can be told here: the
-    source of the default route, else the IPv4 address of the one interface other than
-    loopback; None when neither settles it."""
-    source = route_source("192.0.2.1")  # TEST-NET-1: on no local network, so the default route
-    if source is not None and not is_loopback(source):
-        return source
-    others = [a for a in interface_addresses().values() if not is_loopback(a)]
-    return others[0] if len(others) == 1 else None
+    source of the default route (IPv4's, else IPv6's on a host without an IPv4 one), else the
+    address of the one interface other than loopback (its IPv4 address, else its global IPv6
+    one); None when none of these settles it."""
+    for probe in ("192.0.2.1", "2001:db8::1"):  # TEST-NET-1, IPv6's documentation prefix:
+        source = route_source(probe)  # on no local network, so each family's default route
+        if source is not None and not is_loopback(source):
+            return source
+    v4 = {n: a for n, a in interface_addresses().items() if not is_loopback(a)}
+    v6 = interface_addresses6()
+    names = set(v4) | set(v6)
+    if len(names) != 1:
+        return None
+    name = names.pop()
+    return v4.get(name) or v6[name]
 
 
 def reachable_source(host: str) -> str | None:
@@ -131,18 +155,24 @@ def reachable_source(host: str) -> str | None:
     return source
 
 
-def device_towards(host: str) -> Any:
-    """A gloo device bound to :func:`reachable_source` of ``host`` (the peer's address, or
-    this process's own listening address), or None to keep gloo's default device: when
-    ``GLOO_SOCKET_IFNAME`` names the interface, or when no address is found."""
+def bind_source(host: str) -> str | None:
+    """The address a gloo device for a link to ``host`` binds to (:func:`reachable_source`),
+    or None to keep gloo's default device: when ``GLOO_SOCKET_IFNAME`` names the interface,
+    or when no address is found."""
+    return None if os.environ.get(IFNAME) else reachable_source(host)
+
+
+def device_at(address: str | None) -> Any:
+    """A gloo device bound to ``address``; None (gloo's default device) for None."""
     import torch.distributed as dist
 
-    if os.environ.get(IFNAME):
-        return None
-    source = reachable_source(host)
-    if source is None:
-        return None
-    return dist.ProcessGroupGloo.create_device(hostname=source)
+    return None if address is None else dist.ProcessGroupGloo.create_device(hostname=address)
+
+
+def device_towards(host: str) -> Any:
+    """A gloo device bound to :func:`bind_source` of ``host`` (the peer's address, or this
+    process's own listening address), or None to keep gloo's default device."""
+    return device_at(bind_source(host))
 
 
 def interface_towards_master(environ: dict[str, str] | None = None) -> str | None:

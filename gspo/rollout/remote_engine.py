@@ -33,17 +33,19 @@ and links to an engine of its own, at its own address. The two groups:
 The engine samples exactly as the local engine process does (the same
 :func:`gspo.rollout.async_engine.run_engine`), so for the same weights it returns the same
 batches. Both ends must run the same gspo and torch versions (they exchange pickles). Each
-end binds gloo to its own address on the route to the trainer's host
-(:mod:`gspo.rollout.gloo_net`). Tested between two processes on one machine
-(``tcp://127.0.0.1``) and between network namespaces of one machine, each with a network
-stack of its own, joined by virtual Ethernet links (``tests/trainer/test_network_hosts.py``);
-not between two physical machines.
+end binds gloo to its own address on the route to the trainer's host, or with a file address
+to its address as other machines reach it (:mod:`gspo.rollout.gloo_net`). Tested between two
+processes on one machine (``tcp://127.0.0.1``) and between network namespaces of one machine,
+each with a network stack of its own, joined by virtual Ethernet links, over IPv4 and over
+IPv6 only, at a TCP and at a file address (``tests/trainer/test_network_hosts.py``); not
+between two physical machines.
 """
 
 from __future__ import annotations
 
 import datetime
 import pickle
+import socket
 import threading
 import time
 import urllib.parse
@@ -68,10 +70,11 @@ from gspo.rollout.async_engine import (
     unpack,
 )
 from gspo.rollout.engine import EngineOptions
-from gspo.rollout.gloo_net import IFNAME, device_towards
+from gspo.rollout.gloo_net import IFNAME, bind_source, device_at, device_towards
 
 TRAINER, ENGINE = 0, 1
 STOP = -1  # a weights header that ends the engine's receiving thread
+TRAINER_BINDS = "trainer_binds"  # store key: the address the trainer's gloo device binds to
 
 
 def _broadcast(group: Any, t: torch.Tensor) -> None:
@@ -137,12 +140,8 @@ def _group(store: Any, name: str, rank: int, timeout: datetime.timedelta,
 
 
 def _join(address: str, rank: int, timeout_s: float) -> tuple[Any, Any]:
-    """Join the world of two at ``address``: its (messages, weights) groups. With a TCP
-    address each end binds gloo to its own address on the route to the trainer's host (the
-    trainer: its address as the engine reaches it), not to where this machine's host name
-    resolves, often a loopback address that the other machine cannot reach
-    (:func:`gspo.rollout.gloo_net.device_towards`); ``GLOO_SOCKET_IFNAME``, when set, names
-    the interface instead."""
+    """Join the world of two at ``address``: its (messages, weights) groups, on gloo devices
+    bound where the other end reaches them (:func:`_device`)."""
     timeout = datetime.timedelta(seconds=timeout_s)
     url = urllib.parse.urlparse(address)
     try:
@@ -152,7 +151,10 @@ def _join(address: str, rank: int, timeout_s: float) -> tuple[Any, Any]:
                  else "no trainer to join (it listens once it starts with "
                  "rollout.async_address=ADDRESS)")
         raise Unreachable(f"{address}: {other} within {timeout_s:.0f} s ({_first(e)})") from None
-    device = device_towards(url.hostname) if url.scheme == "tcp" and url.hostname else None
+    # file://: no host in the address; this machine's own name stands for it (where it
+    # resolves to loopback, as it often does, the outward address)
+    host = url.hostname if url.scheme == "tcp" else socket.gethostname()
+    device = _device(store, host, rank)
     try:
         return tuple(_group(store, name, rank, timeout, device)
                      for name in ("messages", "weights"))
@@ -162,6 +164,26 @@ def _join(address: str, rank: int, timeout_s: float) -> tuple[Any, Any]:
             f"{address}: met the {other} there, but gloo could not connect to the address it "
             f"gave ({_first(e)}); set {IFNAME} to the network interface each end reaches the "
             "other through") from None
+
+
+def _device(store: Any, host: str | None, rank: int) -> Any:
+    """This end's gloo device (None: gloo's default, which binds to where this machine's host
+    name resolves, often a loopback address that another machine cannot reach). The trainer
+    binds to its address as the engine reaches it: on the route to the address's host, which
+    at a TCP address is the trainer's own machine, and at a file address is this machine by
+    its own name; where that name resolves to loopback, its outward address
+    (:func:`gspo.rollout.gloo_net.bind_source`). It leaves that address in the store, and the
+    engine binds to its own address on the route to it. So both ends bind in one address
+    family, which gloo needs (an engine that resolved the trainer's name to IPv6 while the
+    trainer bound IPv4 could not connect). When the trainer binds nowhere in particular
+    (``GLOO_SOCKET_IFNAME`` names its interface, or no address was found), the engine binds
+    towards ``host`` itself; ``GLOO_SOCKET_IFNAME`` on the engine's side names its interface."""
+    if rank == TRAINER:
+        source = bind_source(host) if host else None
+        store.set(TRAINER_BINDS, source or "")
+        return device_at(source)
+    trainer = store.get(TRAINER_BINDS).decode()
+    return device_towards(trainer or host) if trainer or host else None
 
 
 def _first(e: BaseException) -> str:
@@ -336,6 +358,6 @@ def serve(address: str, *, device: str = "cpu", timeout_s: float = 1800.0) -> No
                setup["tokenizer"], setup["engine"], setup["opts"], setup["threads"],
                setup["recompute"], messages.recv,
                lambda kind, payload: messages.send((kind, payload)), torch.device(device),
-               setup.get("turns"))
+               setup.get("turns"), setup.get("changing"))
     messages.flush()
     slots.thread.join(timeout=timeout_s)

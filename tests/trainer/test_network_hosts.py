@@ -12,6 +12,7 @@ own tests are fast.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import os
 import shutil
@@ -42,6 +43,8 @@ HOSTS = ("h0", "h1", "h2")  # h0, h1: trainer machines; h2: the inference machin
 # above 127.x: gloo's two ends decide which one listens by comparing addresses, so with
 # addresses below 127.0.1.1 a rank bound to loopback would connect out and go unnoticed
 ADDRESS = {name: f"192.168.{os.getpid() % 250}.{i + 1}" for i, name in enumerate(HOSTS)}
+# the same hosts with IPv6 addresses only (unique local, fd00::/8): no IPv4 route anywhere
+ADDRESS6 = {name: f"fd{os.getpid() % 250:02x}::{i + 1}" for i, name in enumerate(HOSTS)}
 
 
 def test_route_source_and_interface_on_loopback():
@@ -70,16 +73,49 @@ def test_interface_towards_master_only_when_the_world_spans_machines(monkeypatch
     assert f({"MASTER_ADDR": "192.0.2.1", gloo_net.IFNAME: "eth1", **two}) is None
     assert gloo_net.reachable_source("127.0.0.1") == "127.0.0.1"  # loopback meant as such
     monkeypatch.setattr(gloo_net, "route_source", lambda host: None)  # no default route
+    monkeypatch.setattr(gloo_net, "interface_addresses6", lambda: {"eth7": "fd00::5"})
     assert gloo_net.outward_address() == "192.0.2.5"  # the one interface but loopback
     monkeypatch.setenv(gloo_net.IFNAME, "eth1")
     assert gloo_net.device_towards("192.0.2.1") is None  # the named interface stands
 
 
-class Hosts:
-    """The namespaces ``<prefix>h0`` … and the bridge's ``<prefix>sw``."""
+def test_outward_address_on_a_host_without_ipv4(monkeypatch):
+    """No IPv4 default route and no IPv4 address but loopback: the IPv6 default route's
+    source, else the one interface's global IPv6 address (link-local ones are not listed)."""
+    routes = {"2001:db8::1": "fd00::5"}
+    monkeypatch.setattr(gloo_net, "route_source", routes.get)
+    monkeypatch.setattr(gloo_net, "interface_addresses", lambda: {"lo": "127.0.0.1"})
+    monkeypatch.setattr(gloo_net, "interface_addresses6", lambda: {"eth7": "fd00::5"})
+    assert gloo_net.outward_address() == "fd00::5"
+    routes.clear()  # no default route at all: the one interface
+    assert gloo_net.outward_address() == "fd00::5"
+    monkeypatch.setattr(gloo_net, "interface_addresses6",
+                        lambda: {"eth7": "fd00::5", "eth8": "fd01::5"})
+    assert gloo_net.outward_address() is None  # two interfaces: not settled here
+    monkeypatch.setattr(gloo_net, "interface_addresses", lambda: {"eth7": "192.0.2.5"})
+    monkeypatch.setattr(gloo_net, "interface_addresses6", lambda: {"eth7": "fd00::5"})
+    assert gloo_net.outward_address() == "192.0.2.5"  # one interface, both: its IPv4 one
 
-    def __init__(self, prefix: str) -> None:
-        self.prefix = prefix
+
+def test_interface_addresses6_reads_global_addresses_only():
+    if not Path("/proc/net/if_inet6").exists():
+        pytest.skip("no /proc/net/if_inet6 (not Linux, or IPv6 off)")
+    got = gloo_net.interface_addresses6()
+    assert "lo" not in got  # ::1 is scope host
+    for name, address in got.items():
+        ip = ipaddress.ip_address(address)
+        assert ip.version == 6 and not ip.is_link_local and not ip.is_loopback, (name, ip)
+        assert gloo_net.interface_of(address) == name
+
+
+class Hosts:
+    """The namespaces ``<prefix>h0`` … and the bridge's ``<prefix>sw``. ``family``: each host
+    has an IPv4 address (``ADDRESS``, "ipv4"), an IPv6 one only (``ADDRESS6``, "ipv6"), or
+    both, with the hosts' names resolving to their IPv6 addresses ("dual")."""
+
+    def __init__(self, prefix: str, family: str = "ipv4") -> None:
+        self.prefix, self.family = prefix, family
+        self.names = ADDRESS if family == "ipv4" else ADDRESS6  # what the names resolve to
 
     def ns(self, name: str) -> str:
         return self.prefix + name
@@ -97,14 +133,17 @@ class Hosts:
             _ip("link", "set", outer, "netns", sw)
             _ip("-n", sw, "link", "set", outer, "master", "br0")
             _ip("-n", sw, "link", "set", outer, "up")
-            _ip("-n", ns, "addr", "add", f"{ADDRESS[name]}/24", "dev", inner)
+            if self.family != "ipv6":
+                _ip("-n", ns, "addr", "add", f"{ADDRESS[name]}/24", "dev", inner)
+            if self.family != "ipv4":  # nodad: usable at once
+                _ip("-n", ns, "addr", "add", f"{ADDRESS6[name]}/64", "dev", inner, "nodad")
             _ip("-n", ns, "link", "set", inner, "up")
             _ip("-n", ns, "link", "set", "lo", "up")
             etc = Path("/etc/netns") / ns  # `ip netns exec` mounts it over /etc/hosts
             etc.mkdir(parents=True, exist_ok=True)
             (etc / "hosts").write_text(
                 f"127.0.0.1 localhost\n127.0.1.1 {name}\n"
-                + "".join(f"{a} {n}\n" for n, a in ADDRESS.items() if n != name))
+                + "".join(f"{a} {n}\n" for n, a in self.names.items() if n != name))
 
     def down(self) -> None:
         for name in (*HOSTS, "sw"):
@@ -125,20 +164,40 @@ def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
 
 
-@pytest.fixture(scope="module")
-def hosts():
+@contextlib.contextmanager
+def _hosts(prefix: str, family: str = "ipv4"):
     if sys.platform != "linux" or os.geteuid() != 0:
         pytest.skip("network namespaces need root on Linux")
     if not (shutil.which("ip") and shutil.which("unshare")):
         pytest.skip("needs `ip` (iproute2) and `unshare` (util-linux)")
-    h = Hosts(f"g{os.getpid() % 100000}")
+    h = Hosts(f"{prefix}{os.getpid() % 100000}", family)
     try:
         h.up()
     except subprocess.CalledProcessError as e:
         h.down()
         pytest.skip(f"cannot make network namespaces here: {e.stderr.strip()}")
-    yield h
-    h.down()
+    try:
+        yield h
+    finally:
+        h.down()
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    with _hosts("g") as h:
+        yield h
+
+
+@pytest.fixture(scope="module")
+def hosts6():
+    with _hosts("v", "ipv6") as h:
+        yield h
+
+
+@pytest.fixture(scope="module")
+def hosts_dual():
+    with _hosts("d", "dual") as h:
+        yield h
 
 
 def _env(out: Path) -> dict[str, str]:
@@ -199,12 +258,20 @@ def _local(out: Path, world: int) -> Path:
 
 
 @pytest.mark.slow
-def test_an_engine_on_another_host_gives_the_local_engines_run(hosts, tmp_path):
+@pytest.mark.parametrize("where", ["tcp", "file", "tcp-ipv6", "tcp-dual"])
+def test_an_engine_on_another_host_gives_the_local_engines_run(where, request, tmp_path):
     """The trainer on h0, its `gspo engine` on h2 (k = 2): the run of the engine spawned on
-    the trainer's machine, bit for bit."""
+    the trainer's machine, bit for bit. They meet at the trainer's TCP store, or at a file
+    store on the file system the hosts share; at the TCP store also on hosts with IPv6 only,
+    and on hosts with both where h0's name resolves to IPv6 on h2 (the trainer's outward
+    address is its IPv4 one). Each end must bind gloo to an address the other reaches: not
+    its host name's loopback one, not an IPv4 one where there is no IPv4 route, and in the
+    same address family as the other end."""
+    fixture = {"tcp-ipv6": "hosts6", "tcp-dual": "hosts_dual"}.get(where, "hosts")
+    hosts = request.getfixturevalue(fixture)
     out = tmp_path / "hosts"
     env = _env(out)
-    address = "tcp://h0:29611"
+    address = f"file://{tmp_path}/store" if where == "file" else "tcp://h0:29611"
     engines, logs = _engines(hosts, out, env, [address])
     trainer_log = out / "trainer.log"
     trainer = hosts.start("h0", [sys.executable, "-m", "gspo", "train", *COMMON,
