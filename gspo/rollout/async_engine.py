@@ -20,7 +20,8 @@ through a Python float exactly), not as one shared tensor per row.
 On a GPU the slots stay in shared CPU memory (the trainer's publish is one device-to-host
 copy per dtype) and the engine process keeps one model on the device, itself views of one
 flat device buffer per dtype: before a batch from another version it copies that slot in,
-one host-to-device copy per dtype.
+one host-to-device copy per dtype (for a LoRA policy, after the first, only the adapter's
+tensors, packed into one copy per dtype).
 
 A LoRA policy's base weights never change: each slot gets the whole policy the first time it
 is filled and, after that, only the tensors an update can change (:func:`changing`: the
@@ -341,21 +342,42 @@ def _next_request(requests: Any) -> Request | None:
 
 class _DeviceModel:
     """The engine process's one model on a GPU: views of a flat device buffer per dtype, into
-    which :meth:`load` copies a slot (only when the version changes)."""
+    which :meth:`load` copies a slot (only when the version changes). For a LoRA policy
+    (``changing``: the entries an update can change, the adapter; see :func:`changing`) every
+    load after the first copies only those, packed into one host buffer per dtype and moved
+    to the device in one copy each: the frozen rest is the same in every slot."""
 
     def __init__(self, skeleton: bytes, entries: list[_Entry], sizes: dict[str, int],
-                 device: torch.device) -> None:
+                 device: torch.device, changing: list[int] | None = None) -> None:
         self.buffers = {k: torch.empty(n, dtype=getattr(torch, k), device=device)
                         for k, n in sizes.items()}
         self.model = _materialize(skeleton, entries, self.buffers)
+        self.entries, self.changing = entries, changing
         self.version = -1
+        self.last_bytes = 0  # what the last load copied
 
     @torch.no_grad()
-    def load(self, slot: dict[str, torch.Tensor], version: int) -> None:
-        if version != self.version:
+    def load(self, slot: dict[str, torch.Tensor], version: int) -> float:
+        """Hold ``version`` (which ``slot`` holds); the seconds it took (0 when held)."""
+        if version == self.version:
+            return 0.0
+        start = time.perf_counter()
+        if self.changing is None or self.version == -1:
             for k, buf in self.buffers.items():
                 buf.copy_(slot[k])
-            self.version = version
+            self.last_bytes = sum(b.numel() * b.element_size() for b in self.buffers.values())
+        else:
+            views = _views(self.entries, slot)
+            packed = {key: torch.cat([views[i].reshape(-1) for i in self.changing
+                                      if self.entries[i].dtype == key]).to(buf.device)
+                      for key, buf in self.buffers.items()
+                      if any(self.entries[i].dtype == key for i in self.changing)}
+            unpack(self.entries, self.changing, packed, self.buffers)
+            self.last_bytes = entry_bytes(self.entries, self.changing)
+        if self.buffers and next(iter(self.buffers.values())).is_cuda:
+            torch.cuda.synchronize()
+        self.version = version
+        return time.perf_counter() - start
 
 
 class _Sampler:
@@ -393,14 +415,17 @@ def run_engine(skeleton: bytes, entries: list[_Entry], slots: list[dict[str, tor
                slot_version: Callable[[int, int | None], int], tokenizer: Any, engine: str,
                opts: EngineOptions, threads: int, recompute: Recompute,
                next_request: Callable[[], Request | None], put: Callable[[str, Any], None],
-               device: torch.device, turns: Any = None) -> None:
+               device: torch.device, turns: Any = None, changing: list[int] | None = None
+               ) -> None:
     """The engine's loop, wherever its weights and requests come from: one model per slot (on
     the CPU) or one device model loaded from the slot a batch needs (GPU), then batches in the
     order they were asked, each ``put("batch", (request key, encoded rollout))``; any failure is
     ``put("error", traceback)``. ``slot_version(slot, wanted)`` is the version a slot holds
     (a transport that receives weights may first wait for ``wanted``; None: do not wait).
     ``turns`` (a :class:`gspo.rollout.multiturn.TurnLoop`): requests that carry their examples
-    are sampled as multi-turn episodes, their environments here in the engine process."""
+    are sampled as multi-turn episodes, their environments here in the engine process.
+    ``changing`` (:func:`changing`, a LoRA policy's adapter): all a GPU model's loads after its
+    first copy (:class:`_DeviceModel`)."""
     try:
         torch.set_num_threads(threads)
         on_device = None
@@ -410,7 +435,7 @@ def run_engine(skeleton: bytes, entries: list[_Entry], slots: list[dict[str, tor
             if device.type == "cuda" and device.index is not None:
                 torch.cuda.set_device(device)
             on_device = _DeviceModel(skeleton, entries, {k: v.numel() for k, v in
-                                                         slots[0].items()}, device)
+                                                         slots[0].items()}, device, changing)
             models = [on_device.model] * len(slots)
         with contextlib.closing(_Sampler(engine, models, tokenizer, opts)) as sampler:
             put("ready", None)
@@ -420,8 +445,7 @@ def run_engine(skeleton: bytes, entries: list[_Entry], slots: list[dict[str, tor
                     raise RuntimeError(f"step {req.step} needs policy version {req.version}, but "
                                        f"slot {slot} holds version {held}")
                 start = time.perf_counter()
-                if on_device is not None:
-                    on_device.load(slots[slot], req.version)
+                load_s = on_device.load(slots[slot], req.version) if on_device else 0.0
                 engine_now = sampler.engine_for(slot, req.version)
                 if turns is not None and req.examples is not None:
                     roll = turns.run(engine_sampler(engine_now, req.params), req.examples,
@@ -435,7 +459,8 @@ def run_engine(skeleton: bytes, entries: list[_Entry], slots: list[dict[str, tor
                     raise RuntimeError(f"slot {slot} was overwritten while sampling step "
                                        f"{req.step}")
                 put("batch", (req.key, _encode(roll, tlp, routing, req.version,
-                                                time.perf_counter() - start, sampler.sync_s)))
+                                                time.perf_counter() - start,
+                                                load_s + sampler.sync_s)))
     except BaseException:  # the trainer raises it with this text (see AsyncEngine.take)
         put("error", traceback.format_exc())
 
@@ -443,12 +468,12 @@ def run_engine(skeleton: bytes, entries: list[_Entry], slots: list[dict[str, tor
 def _engine_main(skeleton: bytes, entries: list[_Entry], slots: list[dict[str, torch.Tensor]],
                  slot_versions: torch.Tensor, tokenizer: Any, engine: str, opts: EngineOptions,
                  threads: int, recompute: Recompute, requests: Any, results: Any,
-                 device: torch.device, turns: Any) -> None:
+                 device: torch.device, turns: Any, changing: list[int] | None) -> None:
     """The engine process on this machine: slots in shared memory, requests and batches
     through queues."""
     run_engine(skeleton, entries, slots, lambda slot, _: int(slot_versions[slot]), tokenizer,
                engine, opts, threads, recompute, lambda: _next_request(requests),
-               lambda kind, payload: results.put((kind, payload)), device, turns)
+               lambda kind, payload: results.put((kind, payload)), device, turns, changing)
 
 
 def fill_slot(slot: dict[str, torch.Tensor], entries: list[_Entry], unique: list[int],
@@ -515,7 +540,8 @@ class AsyncEngine:
             target=_engine_main, daemon=True, name="gspo-rollout-engine",
             args=(_skeleton(model), self.entries, self.slots, self.slot_versions, tokenizer,
                   engine, opts, threads, recompute, self.requests, self.results,
-                  device if device is not None else torch.device("cpu"), turns))
+                  device if device is not None else torch.device("cpu"), turns,
+                  self._changing))
         self.proc.start()
         kind, payload = self._get(startup_timeout_s)
         if kind != "ready":

@@ -187,6 +187,48 @@ def test_a_lora_publish_after_the_first_copies_only_the_adapter():
         assert torch.equal(views[base], before)
 
 
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+def test_the_gpu_engines_model_loads_only_a_lora_policys_adapter_after_the_first(device):
+    """The engine process's one device model (``_DeviceModel``, the GPU path; its logic on any
+    device) holds each slot's version exactly: a whole copy first, then for a LoRA policy only
+    the adapter's tensors, whose bytes it counts; without ``changing``, every load whole."""
+    from gspo.config import LoRAConfig
+    from gspo.models.lora import apply_lora
+    from gspo.rollout.async_engine import _DeviceModel, changing, distinct, entry_bytes, fill_slot
+
+    model = apply_lora(load_model("tiny:llama", seed=0)[0], LoRAConfig(r=4, alpha=8))
+    entries, sizes = _layout(model)
+    unique = distinct(entries)
+    only = changing(model, unique)
+    slots = [{k: torch.empty(n, dtype=getattr(torch, k)) for k, n in sizes.items()}
+             for _ in range(2)]
+    fill_slot(slots[0], entries, unique, model)  # version 0
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p))
+    fill_slot(slots[1], entries, unique, model)  # version 1: another adapter, the same base
+    ids = torch.randint(0, 100, (2, 7))
+    want = []
+    for slot in slots:
+        ref = _materialize(_skeleton(model), entries, slot)
+        want.append(ref(ids).logits)
+    whole = sum(b.numel() * b.element_size() for b in slots[0].values())
+    for only_ in (only, None):
+        held = _DeviceModel(_skeleton(model), entries, sizes, torch.device(device), only_)
+        for i, version in enumerate((0, 1, 0, 1)):
+            assert held.load(slots[version], version) >= 0.0
+            assert held.last_bytes == (whole if only_ is None or i == 0
+                                       else entry_bytes(entries, only))
+            got = held.model(ids.to(device)).logits.cpu()
+            assert torch.allclose(got, want[version], atol=1e-5) if device != "cpu" else \
+                torch.equal(got, want[version])
+        assert held.load(slots[1], 1) == 0.0  # held already: nothing copied
+    assert entry_bytes(entries, only) < whole / 10
+
+
 class InlineEngine:
     """AsyncEngine's contract in this process: one model per slot, batches on take()."""
 
