@@ -146,8 +146,8 @@ def dense_mlp(mlp: Any, h: torch.Tensor) -> torch.Tensor:
 
 def lean_joint_hidden(backbone: Any, prompt_ids: torch.Tensor, prompt_pos: torch.Tensor,
                       prompt_bias: torch.Tensor, input_ids: torch.Tensor,
-                      position_ids: torch.Tensor, bias: torch.Tensor, owner: torch.Tensor
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+                      position_ids: torch.Tensor, bias: torch.Tensor, owner: torch.Tensor,
+                      compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Prompts and the rows that continue them through the backbone together, layer by layer.
 
     The same result as :func:`lean_hidden` on the prompts (``keep_kv``) followed by
@@ -167,6 +167,8 @@ def lean_joint_hidden(backbone: Any, prompt_ids: torch.Tensor, prompt_pos: torch
         input_ids, position_ids: [B, S] continuations and their positions.
         bias: [B, 1, S, W + S] additive mask over the prompt's keys and the row's own.
         owner: [B] the prompt each row continues.
+        compiled: run each layer through :func:`compiled_joint_layer` (equal to fp32
+            rounding).
     Returns:
         ``(prompt hidden [P, W, hidden], hidden [B, S, hidden])``, after the final norm.
     """
@@ -175,8 +177,9 @@ def lean_joint_hidden(backbone: Any, prompt_ids: torch.Tensor, prompt_pos: torch
     pos = torch.cat([prompt_pos.reshape(-1), position_ids.reshape(-1)])
     cos, sin = backbone.rotary_emb(x[None], pos[None])  # [1, N, head_dim]
     cos, sin = cos[0, :, None], _signed(sin)[0, :, None]  # [N, 1, head_dim]: over heads
+    step = compiled_joint_layer() if compiled else joint_layer
     for layer in backbone.layers:
-        x = joint_layer(layer, x, cos, sin, (p, w), prompt_bias, (b, s), bias, owner)
+        x = step(layer, x, cos, sin, (p, w), prompt_bias, (b, s), bias, owner)
     x = backbone.norm(x)
     return x[:p * w].view(p, w, -1), x[p * w:].view(b, s, -1)
 
@@ -225,7 +228,7 @@ def compile_unsupported(device: torch.device) -> str | None:
     return None
 
 
-_COMPILED: list[Any] = []
+_COMPILED: dict[str, Any] = {}
 
 
 def compiled_layer() -> Any:
@@ -236,6 +239,15 @@ def compiled_layer() -> Any:
     products (norms, rotation, residual adds, SiLU × up, and their backward) into generated C++
     loops; the products stay library calls. The first pass of each kind compiles (tens of
     seconds on a CPU; inductor caches the result on disk for later processes)."""
-    if not _COMPILED:
-        _COMPILED.append(torch.compile(lean_layer, dynamic=True))
-    return _COMPILED[0]
+    if "lean" not in _COMPILED:
+        _COMPILED["lean"] = torch.compile(lean_layer, dynamic=True)
+    return _COMPILED["lean"]
+
+
+def compiled_joint_layer() -> Any:
+    """:func:`joint_layer` through ``torch.compile``, as :func:`compiled_layer` compiles
+    :func:`lean_layer`: one graph for every layer (with and without autograd), the two
+    attention calls and the products library calls, the elementwise work around them fused."""
+    if "joint" not in _COMPILED:
+        _COMPILED["joint"] = torch.compile(joint_layer, dynamic=True)
+    return _COMPILED["joint"]

@@ -15,8 +15,8 @@ disables the cache), or when no prompt is shared.
 On the lean passes (``lean_forward``, the default) the prompts and the responses go through
 each layer together (:func:`gspo.models.lean_forward.lean_joint_hidden`): one product per
 weight on all their token rows, where two passes would multiply each weight twice and sum two
-weight-sized gradients. With ``compile_layers`` (one compiled graph per layer kind) and through
-``forward`` the prompt pass and the response pass run one after the other.
+weight-sized gradients (with ``compile_layers``, each joint layer through one compiled
+graph). Through ``forward`` the prompt pass and the response pass run one after the other.
 
 The output layer runs through :func:`gspo.models.logprobs.head_logprobs`, as in the plain path.
 
@@ -40,7 +40,7 @@ from gspo.models.logprobs import _split, head_logprobs, token_logprobs
 from gspo.models.moe import PackedRouting, has_routers, packed_routing
 
 # The lean passes run the prompts and the responses through each layer together. False runs
-# them one after the other, as compiled layers and ``forward`` do: the comparison arm of
+# them one after the other, as ``forward`` does: the comparison arm of
 # ``benchmarks/bench_async.py`` (``sync-twopass``); the two agree to fp32 rounding.
 JOINT_LAYERS = True
 
@@ -148,10 +148,10 @@ def _packed_pass(model: Any, input_ids: torch.Tensor, target_mask: torch.Tensor,
     r_ids = torch.where(valid, input_ids.gather(1, src), 0)
     mask = torch.cat([p_mask[owner], valid.long()], dim=1)
     r_pos = starts[:, None] + cols[None]
-    if lean and JOINT_LAYERS and not compiled:  # both parts through each layer together
+    if lean and JOINT_LAYERS:  # both parts through each layer together
         p_hidden, hidden = lean_joint_hidden(
             backbone, p_ids, p_pos, key_bias(p_mask, width, head.weight.dtype), r_ids, r_pos,
-            key_bias(mask, r_width, head.weight.dtype), owner)
+            key_bias(mask, r_width, head.weight.dtype), owner, compiled=compiled)
         return _head_pass(head, p_hidden[:, -1], hidden, owner, valid, src, r_ids, starts,
                           target_mask, temperature=temperature, chunk=chunk,
                           with_entropy=with_entropy)

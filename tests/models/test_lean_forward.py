@@ -82,13 +82,16 @@ def test_lean_pass_equals_forward_values_and_gradients(kind, fn):
 def test_compiled_layers_equal_the_eager_lean_pass(kind):
     """compile_layers: each layer through torch.compile (one graph for every layer, dynamic
     shapes) gives the eager lean pass's log-probs and gradients to fp32 rounding, on the
-    packed path (a prompt pass, then responses over its keys) and the plain one, with and
-    without autograd, for batches of other lengths than the first (no recompilation per
+    packed path (prompts and responses through each layer together) and the plain one, with
+    and without autograd, for batches of other lengths than the first (no recompilation per
     shape or per layer)."""
     from torch._dynamo.utils import counters
 
+    from gspo.models import lean_forward
+
     torch._dynamo.reset()
     counters.clear()
+    lean_forward._COMPILED.clear()
     model = _model(kind).train()
     for seed, fn in ((0, shared_prefix_logprobs), (1, shared_prefix_logprobs),
                      (2, token_logprobs)):
@@ -103,7 +106,8 @@ def test_compiled_layers_equal_the_eager_lean_pass(kind):
             args = (model, b["input_ids"], b["attention_mask"], b["response_mask"])
             torch.testing.assert_close(fn(*args, lean=True, compiled=True)[0],
                                        fn(*args, lean=True)[0], rtol=0, atol=1e-5)
-    assert counters["frames"]["ok"] >= 1
+    assert set(lean_forward._COMPILED) == {"lean", "joint"}  # both kinds of layer compiled
+    assert counters["frames"]["ok"] >= 2
     assert not counters["recompiles"], dict(counters["recompiles"])
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
 
