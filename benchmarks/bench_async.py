@@ -119,6 +119,9 @@ ARMS: dict[str, tuple[str, int, int, list[str]]] = {
     # the packed lean pass's prompts and responses one pass after the other (JOINT_LAYERS)
     "sync-twopass@1": ("gspo", 1, 0, []),
     "sync-twopass@2": ("gspo", 2, 0, []),
+    # the lean passes' products through F.linear (MKL), the step before matmul=auto's oneDNN
+    "sync-mmblas@1": ("gspo", 1, 0, ["matmul=blas"]),
+    "sync-mmblas@2": ("gspo", 2, 0, ["matmul=blas"]),
     "sync-bf16@1": ("gspo", 1, 0, ["rollout.precision=bf16"]),
     "sync-bf16@2": ("gspo", 2, 0, ["rollout.precision=bf16"]),
     "async1@1+1": ("gspo", 1, 1, ["rollout.async_steps=1", "rollout.async_threads=1"]),
@@ -171,7 +174,9 @@ VARIANTS = {"compile": "compile_layers", "thp": "THP_MEM_ALLOC_ENABLE=1",
             "jemalloc": "jemalloc (LD_PRELOAD)", "tcmalloc": "tcmalloc (LD_PRELOAD)",
             "bind": "OMP_PROC_BIND=close OMP_PLACES=cores",
             "bf16": "rollout.precision=bf16",
-            "twopass": "two passes (prompts, then responses; the packing before 2026-12-06)"}
+            "twopass": "two passes (prompts, then responses; the packing before 2026-12-06)",
+            "mmblas": "matmul=blas (the lean passes' products through MKL, as before "
+                      "2026-12-06)"}
 
 
 def total_threads(arm: str) -> int:
@@ -260,7 +265,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def matmul_limit(model: str, spec: dict[str, Any]) -> dict[str, float]:
-    """Best ``torch.mm`` GFLOP/s at 1 and 2 threads on the step's matmul shapes; also (keys
+    """Best GFLOP/s at 1 and 2 threads on the step's matmul shapes, of ``torch.mm`` (BLAS) and
+    of oneDNN, whichever is faster (keys ``mm_1``, ``onednn_1``, ... each apart); also (keys
     ``read_gb_s_1``, ``read_gb_s_2``) the memory read rate, a 512 MB ``sum``, and the bytes of
     the policy's distinct weights (``weight_bytes``), for :func:`step_bound`."""
     import torch
@@ -279,7 +285,9 @@ def matmul_limit(model: str, spec: dict[str, Any]) -> dict[str, float]:
     x = torch.rand(128 * 1024 * 1024)
     for threads in (1, 2):
         torch.set_num_threads(threads)
-        out[str(threads)] = max(matmul_peak(shapes, threads).values())
+        out[f"mm_{threads}"] = max(matmul_peak(shapes, threads).values())
+        out[f"onednn_{threads}"] = max(matmul_peak(shapes, threads, onednn=True).values())
+        out[str(threads)] = max(out[f"mm_{threads}"], out[f"onednn_{threads}"])
         times = []
         for _ in range(7):
             t0 = time.perf_counter()
@@ -397,8 +405,12 @@ def table(model: str, summary: dict[str, Any], flops: dict[str, float],
     rows.append("")
     rows.append(f"Step work (FlopCounterMode, one sync step): {flops['total'] / 1e9:.0f} GFLOP "
                 f"(rollout {flops['rollout'] / 1e9:.0f}, π_old {flops['old_logprobs'] / 1e9:.0f}, "
-                f"update {flops['update'] / 1e9:.0f}). FLOP limit (best torch.mm): "
-                f"{limit['1']:.1f} GFLOP/s at 1 thread, {limit['2']:.1f} at 2.")
+                f"update {flops['update'] / 1e9:.0f}). FLOP limit (best of torch.mm and "
+                "oneDNN): "
+                f"{limit['1']:.1f} GFLOP/s at 1 thread, {limit['2']:.1f} at 2"
+                + (f" (torch.mm {limit['mm_1']:.1f} / {limit['mm_2']:.1f}, oneDNN "
+                   f"{limit['onednn_1']:.1f} / {limit['onednn_2']:.1f})." if "mm_1" in limit
+                   else "."))
     kernel = [f"{arm} {s['sys_cpu_s']:.2f} s, {s['minor_faults']:.0f}"
               for arm, s in summary["arms"].items() if "minor_faults" in s]
     if kernel:  # the allocator's cost shows as page faults and kernel time

@@ -48,17 +48,24 @@ def _clock(threads: int) -> int:
 
 # ----------------------------------------------------------------------------- 1. peak
 def matmul_peak(shapes: list[tuple[int, int, int]], threads: int, reps: int = 5,
-                gflop: float = 2.0) -> dict[str, float]:
-    """Median GFLOP/s of ``torch.mm`` [m, k] × [k, n] for each shape (~``gflop`` per timing)."""
+                gflop: float = 2.0, onednn: bool = False) -> dict[str, float]:
+    """Median GFLOP/s of ``torch.mm`` [m, k] × [k, n] for each shape (~``gflop`` per timing);
+    ``onednn``: of the same product through oneDNN (:func:`gspo.models.onednn._mm`)."""
+    from gspo.models.onednn import _mm
+
     out = {}
     for m, k, n in shapes:
         a, b = torch.randn(m, k), torch.randn(k, n)
+        bt = b.t()  # [n, k]: the weight oneDNN's linear takes
         inner = max(1, int(gflop * 1e9 / (2 * m * k * n)))
         times = []
         for _ in range(reps + 1):
             t0 = now()[_clock(threads)]
             for _ in range(inner):
-                torch.mm(a, b)
+                if onednn:
+                    _mm(a, bt, None)
+                else:
+                    torch.mm(a, b)
             times.append((now()[_clock(threads)] - t0) / inner)
         out[f"{m}x{k}x{n}"] = 2 * m * k * n / median(times[1:]) / 1e9
     return out

@@ -115,7 +115,8 @@ class RolloutConfig:
         "and float32 only; SmolLM2 rollouts 1.5-2.1x faster on the 2-core CI machine, same "
         "numbers to fp32 rounding); 'auto': onednn where it applies and the layers are larger "
         "than 1 MiB (below, "
-        "its per-call cost outweighs it: tiny presets decode through blas)")
+        "its per-call cost outweighs it: tiny presets decode through blas). With onednn the "
+        "prefill's products go through oneDNN too")
     precision: Literal["fp32", "bf16"] = _f(
         "fp32", "engine=hf: 'fp32' samples from the policy module itself (in `dtype`); 'bf16' "
         "from a bfloat16 copy of the fp32 policy, synced after every update (the reference "
@@ -351,6 +352,13 @@ class TrainConfig:
         "not bit for bit; the first step compiles: 1-2 min for SmolLM2 on 2 CPU cores, seconds "
         "from inductor's disk cache). Needs "
         "lean_forward=true and a model the lean pass supports")
+    matmul: Literal["auto", "blas", "onednn"] = _f(
+        "auto", "the fp32 matrix products of the lean log-prob passes (π_old, the update's "
+        "forward and backward) on the CPU: blas (F.linear: MKL on x86) or onednn (PyTorch's "
+        "bundled oneDNN; equal to fp32 rounding, not bit for bit); auto: onednn on AMD CPUs "
+        "with AVX-512, where MKL runs AVX2 kernels at about half oneDNN's rate (measured on Zen "
+        "5, benchmarks/bench_matmul.py), for models whose layers exceed 1 MiB; blas elsewhere. "
+        "Needs lean_forward=true, dtype=float32, compile_layers=false, not dist.strategy=fsdp2")
     gradient_checkpointing: bool = _f(False, "recompute activations in backward (saves memory)")
     save_every: int = _f(0, "checkpoint every k steps (0: only at the end)")
     save_final: bool = _f(
@@ -603,6 +611,12 @@ def validate(cfg: TrainConfig) -> None:
     _check(cfg.logprob_chunk >= 1, "logprob_chunk must be >= 1")
     _check(not cfg.compile_layers or cfg.lean_forward,
            "compile_layers=true compiles the lean log-prob pass: it needs lean_forward=true")
+    _check(cfg.matmul != "onednn" or (cfg.lean_forward and cfg.dtype == "float32"
+                                      and not cfg.compile_layers
+                                      and cfg.dist.strategy != "fsdp2"),
+           "matmul=onednn runs the eager lean log-prob passes' fp32 products through oneDNN: "
+           "it needs lean_forward=true, dtype=float32, compile_layers=false and not "
+           "dist.strategy=fsdp2")
     _check(cfg.keep_checkpoints >= 1, "keep_checkpoints must be >= 1")
     _check(t.eval_size >= 0, "task.eval_size must be >= 0")
     _check(bool(t.levels), "task.levels must not be empty")

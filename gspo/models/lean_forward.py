@@ -23,15 +23,20 @@ matters under training (gradient checkpointing, attention dropout); everything e
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import os
 import shutil
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from gspo.models.decode import _rope, _signed, rope_adapts, sparse_block, unsupported
+
+# x, weight, bias -> x Wᵀ + b: F.linear, or gspo.models.onednn.linear
+Linear = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
 
 def lean_unsupported(model: Any) -> str | None:
@@ -81,7 +86,7 @@ def key_bias(key_mask: torch.Tensor, queries: int, dtype: torch.dtype) -> torch.
 
 def lean_hidden(backbone: Any, input_ids: torch.Tensor, position_ids: torch.Tensor,
                 bias: torch.Tensor, past: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
-                keep_kv: bool = False, compiled: bool = False
+                keep_kv: bool = False, compiled: bool = False, linear: Linear = F.linear
                 ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
     """The backbone's last hidden states (after its final norm) for ``input_ids`` [B, S].
 
@@ -96,6 +101,8 @@ def lean_hidden(backbone: Any, input_ids: torch.Tensor, position_ids: torch.Tens
         keep_kv: also return each layer's (keys, values), past included.
         compiled: run each layer through :func:`compiled_layer` (the same arithmetic, fused by
             torch.compile; equal to fp32 rounding, not bit for bit).
+        linear: the projections' product, ``F.linear`` or :func:`gspo.models.onednn.linear`
+            (eager layers only).
     Returns:
         ``(hidden [B, S, hidden], kv)``; gradients flow through both, and into ``past``.
     """
@@ -103,7 +110,7 @@ def lean_hidden(backbone: Any, input_ids: torch.Tensor, position_ids: torch.Tens
     cos, sin = backbone.rotary_emb(x, position_ids)  # [B, S, head_dim]
     cos, sin = cos[:, None], _signed(sin)[:, None]  # broadcast over heads
     kept = []
-    step = compiled_layer() if compiled else lean_layer
+    step = compiled_layer() if compiled else functools.partial(lean_layer, linear=linear)
     for i, layer in enumerate(backbone.layers):
         x, k, v = step(layer, x, cos, sin, bias, *(past[i] if past is not None else (None, None)))
         if keep_kv:
@@ -112,15 +119,15 @@ def lean_hidden(backbone: Any, input_ids: torch.Tensor, position_ids: torch.Tens
 
 
 def lean_layer(layer: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               bias: torch.Tensor, past_k: torch.Tensor | None, past_v: torch.Tensor | None
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               bias: torch.Tensor, past_k: torch.Tensor | None, past_v: torch.Tensor | None,
+               linear: Linear = F.linear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One decoder layer of :func:`lean_hidden`: ``(x after the layer, keys, values)``, the keys
     and values rotated and ``past_k``/``past_v`` (or None) prepended."""
     b, s = x.shape[:2]
     attn, mlp = layer.self_attn, layer.mlp
     d = attn.head_dim
     h = layer.input_layernorm(x)
-    q, k, v = (F.linear(h, p.weight, p.bias).view(b, s, -1, d)
+    q, k, v = (linear(h, p.weight, p.bias).view(b, s, -1, d)
                for p in (attn.q_proj, attn.k_proj, attn.v_proj))
     if hasattr(attn, "q_norm"):  # Qwen3: RMS norm per head before the rotation
         q, k = attn.q_norm(q), attn.k_norm(k)
@@ -130,24 +137,25 @@ def lean_layer(layer: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
         k, v = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=attn.scaling,
                                        enable_gqa=k.shape[1] != q.shape[1])
-    x = x + F.linear(o.transpose(1, 2).reshape(b, s, -1), attn.o_proj.weight, attn.o_proj.bias)
+    x = x + linear(o.transpose(1, 2).reshape(b, s, -1), attn.o_proj.weight, attn.o_proj.bias)
     h = layer.post_attention_layernorm(x)
     if sparse_block(mlp):  # Mixture-of-Experts: the model's own block (router hooks fire)
         return x + mlp(h), k, v
-    return x + dense_mlp(mlp, h), k, v
+    return x + dense_mlp(mlp, h, linear), k, v
 
 
-def dense_mlp(mlp: Any, h: torch.Tensor) -> torch.Tensor:
+def dense_mlp(mlp: Any, h: torch.Tensor, linear: Linear = F.linear) -> torch.Tensor:
     """A gate/up/down MLP on ``h`` as products on its weights: down(act(gate(h)) · up(h))."""
-    gate = F.linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias)
-    up = F.linear(h, mlp.up_proj.weight, mlp.up_proj.bias)
-    return F.linear(mlp.act_fn(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
+    gate = linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias)
+    up = linear(h, mlp.up_proj.weight, mlp.up_proj.bias)
+    return linear(mlp.act_fn(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
 
 
 def lean_joint_hidden(backbone: Any, prompt_ids: torch.Tensor, prompt_pos: torch.Tensor,
                       prompt_bias: torch.Tensor, input_ids: torch.Tensor,
                       position_ids: torch.Tensor, bias: torch.Tensor, owner: torch.Tensor,
-                      compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                      compiled: bool = False, linear: Linear = F.linear
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Prompts and the rows that continue them through the backbone together, layer by layer.
 
     The same result as :func:`lean_hidden` on the prompts (``keep_kv``) followed by
@@ -169,6 +177,7 @@ def lean_joint_hidden(backbone: Any, prompt_ids: torch.Tensor, prompt_pos: torch
         owner: [B] the prompt each row continues.
         compiled: run each layer through :func:`compiled_joint_layer` (equal to fp32
             rounding).
+        linear: the projections' product (eager layers only), as in :func:`lean_hidden`.
     Returns:
         ``(prompt hidden [P, W, hidden], hidden [B, S, hidden])``, after the final norm.
     """
@@ -177,7 +186,7 @@ def lean_joint_hidden(backbone: Any, prompt_ids: torch.Tensor, prompt_pos: torch
     pos = torch.cat([prompt_pos.reshape(-1), position_ids.reshape(-1)])
     cos, sin = backbone.rotary_emb(x[None], pos[None])  # [1, N, head_dim]
     cos, sin = cos[0, :, None], _signed(sin)[0, :, None]  # [N, 1, head_dim]: over heads
-    step = compiled_joint_layer() if compiled else joint_layer
+    step = compiled_joint_layer() if compiled else functools.partial(joint_layer, linear=linear)
     for layer in backbone.layers:
         x = step(layer, x, cos, sin, (p, w), prompt_bias, (b, s), bias, owner)
     x = backbone.norm(x)
@@ -186,15 +195,15 @@ def lean_joint_hidden(backbone: Any, prompt_ids: torch.Tensor, prompt_pos: torch
 
 def joint_layer(layer: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 prompt_shape: tuple[int, int], prompt_bias: torch.Tensor,
-                shape: tuple[int, int], bias: torch.Tensor, owner: torch.Tensor
-                ) -> torch.Tensor:
+                shape: tuple[int, int], bias: torch.Tensor, owner: torch.Tensor,
+                linear: Linear = F.linear) -> torch.Tensor:
     """One decoder layer of :func:`lean_joint_hidden` on ``x`` [N, hidden]: its first P·W
     rows are the prompts (``prompt_shape`` P, W), the other B·S the continuations."""
     attn, mlp = layer.self_attn, layer.mlp
     d, split = attn.head_dim, prompt_shape[0] * prompt_shape[1]
     rest = len(x) - split
     h = layer.input_layernorm(x)
-    q, k, v = (F.linear(h, w.weight, w.bias).view(len(h), -1, d)
+    q, k, v = (linear(h, w.weight, w.bias).view(len(h), -1, d)
                for w in (attn.q_proj, attn.k_proj, attn.v_proj))
     if hasattr(attn, "q_norm"):  # Qwen3: RMS norm per head before the rotation
         q, k = attn.q_norm(q), attn.k_norm(k)
@@ -209,12 +218,12 @@ def joint_layer(layer: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=attn.scaling,
                                        enable_gqa=gqa)
     o = torch.cat([op.transpose(1, 2).reshape(split, -1), o.transpose(1, 2).reshape(rest, -1)])
-    x = x + F.linear(o, attn.o_proj.weight, attn.o_proj.bias)
+    x = x + linear(o, attn.o_proj.weight, attn.o_proj.bias)
     h = layer.post_attention_layernorm(x)
     if sparse_block(mlp):  # the model's own block, on each part as the two passes call it
         return x + torch.cat([mlp(h[:split].view(*prompt_shape, -1)).reshape(split, -1),
                               mlp(h[split:].view(*shape, -1)).reshape(rest, -1)])
-    return x + dense_mlp(mlp, h)
+    return x + dense_mlp(mlp, h, linear)
 
 
 def compile_unsupported(device: torch.device) -> str | None:

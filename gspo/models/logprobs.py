@@ -12,8 +12,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from gspo.models.lean_forward import key_bias, lean_hidden
+from gspo.models.onednn import _mm
+from gspo.models.onednn import linear as onednn_linear
 
 # Config attributes of heads that do more than a linear layer; those models take the slow path.
 _HEAD_EXTRAS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier")
@@ -34,9 +37,10 @@ def _split(model: Any) -> tuple[Any, Any] | None:
 
 def _chunk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                     labels: torch.Tensor, temperature: float,
-                    with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = torch.nn.functional.linear(hidden.float(), weight.float(),
-                                        None if bias is None else bias.float())
+                    with_entropy: bool = False, onednn: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = (_mm if onednn else F.linear)(hidden.float(), weight.float(),
+                                           None if bias is None else bias.float())
     logits = logits / temperature
     lse = torch.logsumexp(logits, dim=-1)
     picked = logits.gather(-1, labels[:, None]).squeeze(-1)
@@ -54,23 +58,26 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
     recomputes one chunk of logits at a time and turns it *in place* into
     ∂lp/∂z = onehot(y) − softmax(z), so the peak is about one [chunk, V] fp32 buffer (autograd
     with checkpointing holds three to five). Same values as :func:`_chunk_logprobs`.
+    ``onednn``: the logits and ∂h products through oneDNN (:mod:`gspo.models.onednn`); ∂W
+    stays one accumulating BLAS product per chunk.
     """
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 labels: torch.Tensor, temperature: float, chunk: int,
-                with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                with_entropy: bool, onednn: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         out, ent = torch.empty_like(lse), torch.zeros_like(lse)
         w, b = weight.float(), None if bias is None else bias.float()
+        product = _mm if onednn else F.linear
         for s in range(0, hidden.shape[0], chunk):
-            z = torch.nn.functional.linear(hidden[s:s + chunk].float(), w, b).div_(temperature)
+            z = product(hidden[s:s + chunk].float(), w, b).div_(temperature)
             lse[s:s + chunk] = torch.logsumexp(z, dim=-1)
             out[s:s + chunk] = z.gather(-1, labels[s:s + chunk, None]).squeeze(-1)
             if with_entropy:  # H = lse − Σ p z
                 ent[s:s + chunk] = lse[s:s + chunk] - (torch.softmax(z, -1) * z).sum(-1)
         ctx.save_for_backward(hidden, weight, bias, labels, lse)
-        ctx.temperature, ctx.chunk = temperature, chunk
+        ctx.temperature, ctx.chunk, ctx.onednn = temperature, chunk, onednn
         ctx.mark_non_differentiable(ent)
         return out - lse, ent
 
@@ -84,12 +91,15 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
         # nothing is zero-filled (at V × H = 49k × 576 a fill costs as much as a small matmul).
         g_h = torch.empty_like(hidden, dtype=torch.float32) if need_h else None
         g_w = g_b = None
+        product = _mm if ctx.onednn else F.linear
         for s in range(0, hidden.shape[0], chunk):
             h, y, g = hidden[s:s + chunk].float(), labels[s:s + chunk], grad[s:s + chunk] / t
-            z = torch.nn.functional.linear(h, w, b).div_(t)
+            z = product(h, w, b).div_(t)
             dz = z.sub_(lse[s:s + chunk, None]).exp_().mul_(-g[:, None])  # −g·softmax, in place
             dz[torch.arange(len(y), device=y.device), y] += g  # + g·onehot(y)
-            if g_h is not None:
+            if g_h is not None and ctx.onednn:
+                g_h[s:s + chunk] = _mm(dz, w.t(), None)
+            elif g_h is not None:
                 torch.mm(dz, w, out=g_h[s:s + chunk])
             if need_w:
                 g_w = dz.t() @ h if g_w is None else g_w.addmm_(dz.t(), h)
@@ -101,24 +111,26 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
             g_b = torch.zeros_like(b)
         cast = lambda x, like: None if x is None else x.to(like.dtype)  # noqa: E731
         return (cast(g_h, hidden), cast(g_w, weight),
-                None if bias is None else cast(g_b, bias), None, None, None, None)
+                None if bias is None else cast(g_b, bias), None, None, None, None, None)
 
 
 def head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                   labels: torch.Tensor, *, temperature: float = 1.0, chunk: int = 256,
-                  with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                  with_entropy: bool = False, onednn: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """(log π(y | h) [M], entropy [M]) through the output layer, in fp32, chunk rows at a time.
 
     Under autograd it runs :class:`ChunkedHeadLogprobs`; without, plain chunks. The entropy
-    never carries a gradient. Args: hidden [M, H], weight [V, H], bias [V], labels [M].
+    never carries a gradient. Args: hidden [M, H], weight [V, H], bias [V], labels [M];
+    ``onednn``: the products through oneDNN (:mod:`gspo.models.onednn`).
     """
     if torch.is_grad_enabled():
         return ChunkedHeadLogprobs.apply(hidden, weight, bias, labels, temperature, chunk,
-                                         with_entropy)
+                                         with_entropy, onednn)
     lps, ents = [], []
     for s in range(0, hidden.shape[0], chunk):
         lp, ent = _chunk_logprobs(hidden[s:s + chunk], weight, bias, labels[s:s + chunk],
-                                  temperature, with_entropy)
+                                  temperature, with_entropy, onednn)
         lps.append(lp)
         ents.append(ent)
     if not lps:
@@ -130,7 +142,7 @@ def head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 def token_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                    target_mask: torch.Tensor, *, temperature: float = 1.0, chunk: int = 256,
                    position_ids: torch.Tensor | None = None, with_entropy: bool = False,
-                   lean: bool = False, compiled: bool = False
+                   lean: bool = False, compiled: bool = False, onednn: bool = False
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """log π(x_t | x_<t) / entropy at every position where ``target_mask`` is 1, zero elsewhere.
 
@@ -143,6 +155,8 @@ def token_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Te
             :func:`gspo.models.lean_forward.lean_unsupported`.
         compiled: with ``lean``, each layer through torch.compile
             (:func:`gspo.models.lean_forward.compiled_layer`; equal to fp32 rounding).
+        onednn: with ``lean``, the eager layers' and the output layer's products through
+            oneDNN (:func:`gspo.models.onednn.linear`; equal to BLAS's to fp32 rounding).
     Returns:
         ``(logprobs, entropy)``, both fp32 [B, T]; entropy carries no gradient.
     """
@@ -157,7 +171,8 @@ def token_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Te
                 position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
             attn_bias = key_bias(attention_mask, input_ids.shape[1], head.weight.dtype)
             hidden = lean_hidden(backbone, input_ids, position_ids.expand_as(input_ids),
-                                 attn_bias, compiled=compiled)[0]
+                                 attn_bias, compiled=compiled,
+                                 linear=onednn_linear if onednn else F.linear)[0]
         else:
             hidden = backbone(input_ids=input_ids, attention_mask=attention_mask,
                               position_ids=position_ids, use_cache=False).last_hidden_state
@@ -169,7 +184,8 @@ def token_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Te
     picked = hidden[rows, cols]  # hidden state (or logits) that predicts each target token
     if weight is not None:
         lp, ent = head_logprobs(picked, weight, bias, labels, temperature=temperature,
-                                chunk=chunk, with_entropy=with_entropy)
+                                chunk=chunk, with_entropy=with_entropy,
+                                onednn=onednn and lean)
     else:  # the model's own logits (a head that is not a plain linear layer)
         logits = picked.float() / temperature
         lp = logits.gather(-1, labels[:, None]).squeeze(-1) - torch.logsumexp(logits, -1)

@@ -34,10 +34,12 @@ import inspect
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from gspo.models.lean_forward import key_bias, lean_hidden, lean_joint_hidden
 from gspo.models.logprobs import _split, head_logprobs, token_logprobs
 from gspo.models.moe import PackedRouting, has_routers, packed_routing
+from gspo.models.onednn import linear as onednn_linear
 
 # The lean passes run the prompts and the responses through each layer together. False runs
 # them one after the other, as ``forward`` does: the comparison arm of
@@ -86,7 +88,7 @@ def _routing_layout(owner: torch.Tensor, starts: torch.Tensor, width: int, src: 
 def shared_prefix_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                            target_mask: torch.Tensor, *, temperature: float = 1.0,
                            chunk: int = 256, with_entropy: bool = False,
-                           lean: bool = False, compiled: bool = False
+                           lean: bool = False, compiled: bool = False, onednn: bool = False
                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """log π(x_t | x_<t) / entropy where ``target_mask`` is 1, each distinct prompt run once.
 
@@ -94,8 +96,9 @@ def shared_prefix_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: 
         input_ids, attention_mask, target_mask: [B, T], right-padded (as built by
             :func:`gspo.rollout.pad_batch`); a row's prompt is every token before its first
             target, and its targets lie between that token and its last real token.
-        temperature, chunk, with_entropy, lean, compiled: as in :func:`token_logprobs` (with
-            ``lean`` both passes run through :func:`gspo.models.lean_forward.lean_hidden`).
+        temperature, chunk, with_entropy, lean, compiled, onednn: as in
+            :func:`token_logprobs` (with ``lean`` the prompts and responses run through
+            :func:`gspo.models.lean_forward.lean_joint_hidden`).
     Returns:
         ``(logprobs, entropy)``, both fp32 [B, T], zero off target; entropy carries no gradient.
     """
@@ -107,12 +110,12 @@ def shared_prefix_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: 
             or not bool(has_target.all())):
         return token_logprobs(model, input_ids, attention_mask, target_mask,
                               temperature=temperature, chunk=chunk, with_entropy=with_entropy,
-                              lean=lean, compiled=compiled)
+                              lean=lean, compiled=compiled, onednn=onednn)
     prompts, owner, starts = _prefixes(input_ids, target_mask)
     if len(prompts) == input_ids.shape[0] or min(len(p) for p in prompts) == 0:
         return token_logprobs(model, input_ids, attention_mask, target_mask,
                               temperature=temperature, chunk=chunk, with_entropy=with_entropy,
-                              lean=lean, compiled=compiled)
+                              lean=lean, compiled=compiled, onednn=onednn)
     width, dev = max(len(p) for p in prompts), input_ids.device
     resp_len = lengths - starts
     r_width = int(resp_len.max())
@@ -125,17 +128,19 @@ def shared_prefix_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: 
     with routing:
         return _packed_pass(model, input_ids, target_mask, prompts, owner, starts, width,
                             valid, src, temperature=temperature, chunk=chunk,
-                            with_entropy=with_entropy, lean=lean, compiled=compiled)
+                            with_entropy=with_entropy, lean=lean, compiled=compiled,
+                            onednn=onednn)
 
 
 def _packed_pass(model: Any, input_ids: torch.Tensor, target_mask: torch.Tensor,
                  prompts: list[list[int]], owner: torch.Tensor, starts: torch.Tensor, width: int,
                  valid: torch.Tensor, src: torch.Tensor, *, temperature: float, chunk: int,
-                 with_entropy: bool, lean: bool, compiled: bool
+                 with_entropy: bool, lean: bool, compiled: bool, onednn: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`shared_prefix_logprobs` after the layout is known: ``valid`` and ``src`` [B, R]
     mark each row's response columns and their columns in ``input_ids``."""
     backbone, head = _split(model)
+    linear = onednn_linear if onednn else F.linear
     dev, r_width = input_ids.device, valid.shape[1]
     # 1. Each distinct prompt once, left-padded so that every prompt ends at the same column.
     p_ids = torch.zeros((len(prompts), width), dtype=torch.long, device=dev)
@@ -151,14 +156,15 @@ def _packed_pass(model: Any, input_ids: torch.Tensor, target_mask: torch.Tensor,
     if lean and JOINT_LAYERS:  # both parts through each layer together
         p_hidden, hidden = lean_joint_hidden(
             backbone, p_ids, p_pos, key_bias(p_mask, width, head.weight.dtype), r_ids, r_pos,
-            key_bias(mask, r_width, head.weight.dtype), owner, compiled=compiled)
+            key_bias(mask, r_width, head.weight.dtype), owner, compiled=compiled,
+            linear=linear)
         return _head_pass(head, p_hidden[:, -1], hidden, owner, valid, src, r_ids, starts,
                           target_mask, temperature=temperature, chunk=chunk,
-                          with_entropy=with_entropy)
+                          with_entropy=with_entropy, onednn=onednn)
     if lean:
         p_hidden, kv = lean_hidden(backbone, p_ids, p_pos,
                                    key_bias(p_mask, width, head.weight.dtype), keep_kv=True,
-                                   compiled=compiled)
+                                   compiled=compiled, linear=linear)
         last = p_hidden[:, -1]
         kv = [(k[owner], v[owner]) for k, v in kv]  # row i reads prompt owner[i]'s
     else:
@@ -173,18 +179,20 @@ def _packed_pass(model: Any, input_ids: torch.Tensor, target_mask: torch.Tensor,
     # 2. The responses on top: right-padded, positions continuing each row's prompt.
     if lean:
         hidden = lean_hidden(backbone, r_ids, r_pos, key_bias(mask, r_width, head.weight.dtype),
-                             past=kv, compiled=compiled)[0]
+                             past=kv, compiled=compiled, linear=linear)[0]
     else:
         hidden = backbone(input_ids=r_ids, attention_mask=mask, position_ids=r_pos,
                           **{key: cache}, use_cache=True).last_hidden_state
     return _head_pass(head, last, hidden, owner, valid, src, r_ids, starts, target_mask,
-                      temperature=temperature, chunk=chunk, with_entropy=with_entropy)
+                      temperature=temperature, chunk=chunk, with_entropy=with_entropy,
+                      onednn=onednn)
 
 
 def _head_pass(head: Any, last: torch.Tensor, hidden: torch.Tensor, owner: torch.Tensor,
                valid: torch.Tensor, src: torch.Tensor, r_ids: torch.Tensor,
                starts: torch.Tensor, target_mask: torch.Tensor, *, temperature: float,
-               chunk: int, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+               chunk: int, with_entropy: bool, onednn: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     """3. The output layer on the states that predict each target: ``last`` [P, hidden] (each
     prompt's last state) and ``hidden`` [B, R, hidden] (the responses'), back in the [B, T]
     layout of ``target_mask``."""
@@ -195,7 +203,8 @@ def _head_pass(head: Any, last: torch.Tensor, hidden: torch.Tensor, owner: torch
     rows, j = targets.nonzero(as_tuple=True)
     picked, labels = before[rows, j], r_ids[rows, j]
     lp, ent = head_logprobs(picked, head.weight, getattr(head, "bias", None), labels,
-                            temperature=temperature, chunk=chunk, with_entropy=with_entropy)
+                            temperature=temperature, chunk=chunk, with_entropy=with_entropy,
+                            onednn=onednn)
     cols_out = starts[rows] + j
     logprobs = torch.zeros(target_mask.shape, dtype=torch.float32, device=dev)
     entropy = torch.zeros(target_mask.shape, dtype=torch.float32, device=dev)

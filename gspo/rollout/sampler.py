@@ -25,11 +25,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from gspo.models.decode import DenseDecoder, packable, packing_pays, unsupported
 from gspo.models.lean_forward import inference_safe, key_bias, lean_hidden, no_autograd
 from gspo.models.moe import capture_routing, router_modules
+from gspo.models.onednn import linear as onednn_linear
 from gspo.rollout.batch import Rollout
 
 
@@ -290,14 +292,15 @@ def generate(model: Any, prompts: list[list[int]], *, group_size: int, params: S
     return roll
 
 
-def _lean_prefill(model: Any, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor
-                  ) -> tuple[DynamicCache, torch.Tensor]:
+def _lean_prefill(model: Any, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
+                  onednn: bool = False) -> tuple[DynamicCache, torch.Tensor]:
     """The prefill through :func:`gspo.models.lean_forward.lean_hidden`: its keys and values
     as a dynamic cache, and the last position's logits (what ``forward`` returns with
-    ``logits_to_keep=1``)."""
+    ``logits_to_keep=1``). ``onednn``: its layers' products through oneDNN
+    (:func:`gspo.models.onednn.linear`), as the packed decode steps that follow."""
     hidden, kv = lean_hidden(model.model, ids, positions,
                              key_bias(mask, ids.shape[1], model.lm_head.weight.dtype),
-                             keep_kv=True)
+                             keep_kv=True, linear=onednn_linear if onednn else F.linear)
     cache = DynamicCache()
     for i, (k, v) in enumerate(kv):
         cache.update(k, v, i)
@@ -310,7 +313,7 @@ def _generate(model: Any, prompts: list[list[int]], ids: torch.Tensor, mask: tor
               generator: torch.Generator | list[torch.Generator] | None, greedy: bool,
               log: _RoutingLog | None, lean: bool, packed: bool = False) -> Rollout:
     if lean:
-        cache, logits = _lean_prefill(model, ids, mask, positions)
+        cache, logits = _lean_prefill(model, ids, mask, positions, onednn=packed)
     else:
         out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                     logits_to_keep=1)

@@ -29,6 +29,7 @@ from gspo.config import ConfigError, TrainConfig, to_dict, validate
 from gspo.data import build_task, format_prompt
 from gspo.data.hf import task_from_records
 from gspo.models import load_model, token_logprobs
+from gspo.models.decode import packable
 from gspo.models.lean_forward import (
     compile_unsupported,
     inference_safe,
@@ -36,6 +37,7 @@ from gspo.models.lean_forward import (
     no_autograd,
 )
 from gspo.models.lora import apply_lora, is_peft, reference_logprobs
+from gspo.models.onednn import pays as onednn_pays
 from gspo.models.packing import shared_prefix_logprobs
 from gspo.models.tokens import eos_ids
 from gspo.objectives import ADVANTAGES, group_stats, objective_from_config
@@ -328,8 +330,24 @@ class Trainer:
             raise ConfigError(f"compile_layers=true: {why}")
         self.logprob_fn = functools.partial(
             shared_prefix_logprobs if packed else token_logprobs, lean=self.lean,
-            compiled=self.cfg.compile_layers)
+            compiled=self.cfg.compile_layers, onednn=self._onednn(why))
         self.inference = self.lean and inference_safe(self.model)  # π_old pass, see there
+
+    def _onednn(self, lean_why: str | None) -> bool:
+        """Whether the lean passes multiply through oneDNN (``matmul``, gspo.models.onednn):
+        ``auto`` where it pays on this CPU, eager dense lean passes outside FSDP2 only."""
+        choice = self.cfg.matmul
+        if choice == "blas":
+            return False
+        if choice == "onednn":
+            if not self.lean:
+                raise ConfigError("matmul=onednn runs the lean log-prob passes' products "
+                                  f"through oneDNN, which this model cannot take: {lean_why}")
+            if (why := packable(self.model)) is not None:
+                raise ConfigError(f"matmul=onednn: {why}")
+            return True
+        return (self.lean and not self.cfg.compile_layers and not self._fsdp2
+                and onednn_pays(self.model) is None)
 
     def _async_rollout(self, k: int) -> AsyncRollout | None:
         """``rollout.async_steps = k > 0``: the pipeline (gspo.trainer.async_rollout), checked

@@ -92,6 +92,21 @@ def test_decode_benchmark(tmp_path):
     assert (tmp_path / "decode_tiny-llama.md").read_text().count("|") > 10
 
 
+def test_matmul_benchmark_times_the_same_products_both_ways():
+    """bench_matmul's BLAS and oneDNN calls compute the same forward, ∂x and ∂W products."""
+    import torch
+
+    from benchmarks import bench_matmul
+
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("torch without oneDNN")
+    out = bench_matmul.run({"threads": 1, "reps": 1, "shapes": [(24, 40, 56)]})
+    row = out["shapes"]["24x40x56"]
+    for kind in bench_matmul.KINDS:
+        assert row[f"{kind}_blas"] > 0 and row[f"{kind}_onednn"] > 0
+        assert row[f"{kind}_max_abs_diff"] < 1e-4, kind
+
+
 def test_scaling_benchmark_one_process(tmp_path):
     from benchmarks import bench_scaling
 

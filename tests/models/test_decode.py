@@ -103,9 +103,10 @@ def test_generate_with_and_without_the_lean_decoder_agree():
 
 @needs_onednn
 def test_onednn_and_blas_decode_sample_the_same_tokens_to_fp32_rounding():
-    """rollout.decode_matmul: the packed oneDNN products and F.linear give the same samples and
-    log-probs to fp32 rounding (on a tiny model no sampled token flips); 'auto' is blas for a
-    model this small (packing does not pay below 1 MiB a layer)."""
+    """rollout.decode_matmul: the packed oneDNN products (and the prefill's through oneDNN)
+    and F.linear give the same samples and log-probs to fp32 rounding (on a tiny model no
+    sampled token flips); 'auto' is blas for a model this small (packing does not pay below
+    1 MiB a layer)."""
     model, _ = build_tiny("llama", seed=3)
     assert packable(model) is None and not packing_pays(model)
     prompts = [[2, 40, 41, 42, 43], [2, 50], [2, 60, 61, 62]]

@@ -101,11 +101,38 @@ def test_packed_and_plain_logprob_paths_give_the_same_update(tmp_path):
                                      "objective.eps_low=0.2", "objective.eps_high=0.27",
                                      f"logprob_packing={packing}")
         assert (t.logprob_fn.func is shared_prefix_logprobs) == (packing == "true")
-        assert t.logprob_fn.keywords == {"lean": True, "compiled": False}
+        assert t.logprob_fn.keywords == {"lean": True, "compiled": False, "onednn": False}
     assert out["true"][1] == pytest.approx(out["false"][1], rel=1e-3, abs=1e-7)
     for k in out["true"][0]:  # Adam's first step ≈ lr·sign(g): a gradient entry near zero
         # turns fp32 rounding into up to ~1e-5 of weight; a wrong path moves weights by ~1e-2
         torch.testing.assert_close(out["true"][0][k], out["false"][0][k], rtol=1e-3, atol=1e-4)
+
+
+def test_matmul_onednn_gives_the_same_update_as_blas(tmp_path, monkeypatch):
+    """matmul=onednn (the lean passes' products through oneDNN) against blas: one step, same
+    weights and stats to fp32 rounding (lr 1e-2, so a wrong product shows as ~1e-2). auto
+    takes oneDNN where gspo.models.onednn.pays says so (here forced), and bad combinations
+    are config errors."""
+    from gspo.models import onednn
+
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("torch without oneDNN")
+    out = {}
+    for mm in ("onednn", "blas"):
+        t, *out[mm] = _one_step(tmp_path, f"m{mm}", f"matmul={mm}")
+        assert t.logprob_fn.keywords["onednn"] == (mm == "onednn")
+    assert out["onednn"][1] == pytest.approx(out["blas"][1], rel=1e-3, abs=1e-7)
+    for k in out["blas"][0]:
+        torch.testing.assert_close(out["onednn"][0][k], out["blas"][0][k], rtol=1e-3, atol=1e-4)
+    auto = Trainer(_cfg(tmp_path, "auto", "steps=1"), reward_fns=[char_codes]).setup()
+    assert auto.logprob_fn.keywords["onednn"] is False  # the tiny preset's layers: too small
+    monkeypatch.setattr(onednn, "_cpu", lambda: ("AuthenticAMD", frozenset({"avx512f"})))
+    monkeypatch.setattr("gspo.models.decode.packing_pays", lambda m: True)
+    auto = Trainer(_cfg(tmp_path, "auto2", "steps=1"), reward_fns=[char_codes]).setup()
+    assert auto.logprob_fn.keywords["onednn"] is True
+    for bad in (["lean_forward=false"], ["dtype=bfloat16"], ["compile_layers=true"]):
+        with pytest.raises(ConfigError, match="matmul=onednn"):
+            _cfg(tmp_path, "bad", "matmul=onednn", *bad)
 
 
 def test_lean_forward_gives_the_same_update_as_forward(tmp_path):
@@ -114,13 +141,14 @@ def test_lean_forward_gives_the_same_update_as_forward(tmp_path):
     out = {}
     for lean in ("true", "false"):
         t, *out[lean] = _one_step(tmp_path, f"l{lean}", f"lean_forward={lean}")
-        assert t.logprob_fn.keywords == {"lean": lean == "true", "compiled": False}
+        assert t.logprob_fn.keywords == {"lean": lean == "true", "compiled": False,
+                                          "onednn": False}
     assert out["true"][1] == pytest.approx(out["false"][1], rel=1e-4, abs=1e-8)
     for k in out["true"][0]:  # as above: Adam's first step turns rounding into ~1e-5 of weight
         torch.testing.assert_close(out["true"][0][k], out["false"][0][k], rtol=1e-3, atol=1e-4)
     moe = Trainer(_cfg(tmp_path, "moe", "model=tiny:qwen3_moe", "steps=1"),
                   reward_fns=[char_codes]).setup()
-    assert moe.logprob_fn.keywords == {"lean": True, "compiled": False}
+    assert moe.logprob_fn.keywords == {"lean": True, "compiled": False, "onednn": False}
     with pytest.raises(ConfigError, match="compile_layers=true compiles dense decoder layers"):
         Trainer(_cfg(tmp_path, "moe_c", "model=tiny:qwen3_moe", "steps=1",
                      "compile_layers=true"), reward_fns=[char_codes]).setup()
@@ -136,7 +164,8 @@ def test_compile_layers_gives_the_same_update_as_the_eager_pass(tmp_path):
     for compiled in ("true", "false"):
         t, *out[compiled] = _one_step(tmp_path, f"c{compiled}", "objective.num_minibatches=2",
                                       f"compile_layers={compiled}")
-        assert t.logprob_fn.keywords == {"lean": True, "compiled": compiled == "true"}
+        assert t.logprob_fn.keywords == {"lean": True, "compiled": compiled == "true",
+                                          "onednn": False}
     assert out["true"][1] == pytest.approx(out["false"][1], rel=1e-3, abs=1e-7)
     for k in out["true"][0]:
         torch.testing.assert_close(out["true"][0][k], out["false"][0][k], rtol=1e-3, atol=1e-4)
