@@ -22,13 +22,12 @@ Two more columns answer "would a kernel of our own do better?", and are not used
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import child_main, machine, run_child, write_result
+from benchmarks.common import child_main, report, thread_children
 
 PROBE_C = r"""
 #include <stddef.h>
@@ -174,14 +173,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    argv = sys.argv[1:] if argv is None else argv
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--out", default=None)
-    p.add_argument("--tag", default="", help="suffix of the result files' name")
-    a = p.parse_args(argv)
-    res = {t: run_child("benchmarks.bench_decode_matmul", {"threads": t, "reps": a.reps})
-           for t in (1, 2)}
+    a, res = thread_children("benchmarks.bench_decode_matmul", __doc__,
+                             sys.argv[1:] if argv is None else argv, reps=20)
     header = ("| product (rows × in × out) | F.linear 1 thread | oneDNN packed 1 thread | "
               "F.linear 2 threads | oneDNN packed 2 threads | scaling F.linear / oneDNN | "
               "max abs diff | MKL packed 1 / 2 threads | probe kernel 1 / 2 threads | "
@@ -204,11 +197,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
              "per shape). Memory read bandwidth (a 512 MB sum): "
              f"{res[1]['read_gb_s']:.1f} GB/s at 1 thread, {res[2]['read_gb_s']:.1f} at 2. "
              f"Probe kernel vector width {res[1]['probe_vector_width']} floats (0: not built)."]
-    write_result("_".join(x for x in ("decode_matmul", a.tag) if x),
-                 {"machine": machine(), "results": res}, header, rows,
-                 None if a.out is None else Path(a.out))
-    print(header)
-    print("\n".join(rows))
+    report(a, "decode_matmul", res, header, rows)
     return res
 
 

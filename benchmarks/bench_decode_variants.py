@@ -20,12 +20,11 @@ timings, the variants alternating within the child.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from typing import Any
 
-from benchmarks.common import child_main, machine, median, median_time, run_child, write_result
+from benchmarks.common import child_main, median, median_time, report, thread_children
 
 MODEL = "smollm2-135m-instruct"
 LAYER = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
@@ -133,14 +132,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    argv = sys.argv[1:] if argv is None else argv
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--reps", type=int, default=7)
-    p.add_argument("--out", default=None)
-    p.add_argument("--tag", default="", help="suffix of the result files' name")
-    a = p.parse_args(argv)
-    res = {t: run_child("benchmarks.bench_decode_variants", {"threads": t, "reps": a.reps})
-           for t in (1, 2)}
+    a, res = thread_children("benchmarks.bench_decode_variants", __doc__,
+                             sys.argv[1:] if argv is None else argv, reps=7)
     rows = []
     for name in ("separate", "fused"):
         r1, r2 = res[1]["fuse"][name], res[2]["fuse"][name]
@@ -163,10 +156,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 f"{l1['head_reorder_s']:.3f} s | {l2['head_packed_ms']:.2f} / "
                 f"{l2['head_plain_ms']:.2f} ms; {l2['head_reorder_s']:.3f} s |")
     header = "| variant | 1 thread | 2 threads |\n|---|---|---|"
-    name = "decode_variants" + (f"_{a.tag}" if a.tag else "")
-    write_result(name, {"machine": machine(), "results": {str(t): r for t, r in res.items()}},
-                 header, rows, out_dir=a.out)
-    print("\n".join([header, *rows]))
+    report(a, "decode_variants", res, header, rows)
     return res
 
 

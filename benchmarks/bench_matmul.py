@@ -13,12 +13,10 @@ process. ``max abs diff``: oneDNN against BLAS on N(0, 1) operands (entries of s
 
 from __future__ import annotations
 
-import argparse
 import sys
-from pathlib import Path
 from typing import Any
 
-from benchmarks.common import child_main, machine, median_time, run_child, write_result
+from benchmarks.common import child_main, median_time, report, thread_children
 
 # (rows, in, out): SmolLM2's q/o, k/v, gate/up, down projections at a minibatch's token rows;
 # the output layer at a head chunk
@@ -65,14 +63,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    argv = sys.argv[1:] if argv is None else argv
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--reps", type=int, default=7)
-    p.add_argument("--out", default=None)
-    p.add_argument("--tag", default="", help="suffix of the result files' name")
-    a = p.parse_args(argv)
-    res = {t: run_child("benchmarks.bench_matmul", {"threads": t, "reps": a.reps})
-           for t in (1, 2)}
+    a, res = thread_children("benchmarks.bench_matmul", __doc__,
+                             sys.argv[1:] if argv is None else argv, reps=7)
     header = ("| product (rows × in × out) | kind | BLAS 1 thread | oneDNN 1 thread | "
               "oneDNN / BLAS | BLAS 2 threads | oneDNN 2 threads | oneDNN / BLAS | "
               "max abs diff |\n|---|---|---|---|---|---|---|---|---|")
@@ -85,11 +77,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         f"{d2:.0f} | {d2 / b2:.2f}× | {r1[f'{kind}_max_abs_diff']:.1e} |")
     rows += ["", "GFLOP/s, median of the timed calls (each ~0.5 GFLOP of repeated products on "
              "the same operands)."]
-    write_result("_".join(x for x in ("matmul", a.tag) if x),
-                 {"machine": machine(), "results": res}, header, rows,
-                 None if a.out is None else Path(a.out))
-    print(header)
-    print("\n".join(rows))
+    report(a, "matmul", res, header, rows)
     return res
 
 

@@ -7,6 +7,7 @@ arm's peak resident memory (VmHWM) is its own.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -128,6 +129,28 @@ def run_child(module: str, spec: dict[str, Any], *, timeout: float = 3600,
         raise RuntimeError(f"child {module} {spec.get('arm', '')} failed (rc {proc.returncode}):"
                            f"\n{proc.stderr[-3000:]}")
     return json.loads(lines[-1])
+
+
+def thread_children(module: str, doc: str, argv: list[str], reps: int
+                    ) -> tuple[argparse.Namespace, dict[int, dict[str, Any]]]:
+    """A benchmark's ``--reps`` (default ``reps``), ``--out`` and ``--tag`` from ``argv``, and
+    its child process (``python -m module --child``) run at 1 and at 2 threads: their results
+    by thread count."""
+    p = argparse.ArgumentParser(description=doc.split("\n")[0])
+    p.add_argument("--reps", type=int, default=reps)
+    p.add_argument("--out", default=None)
+    p.add_argument("--tag", default="", help="suffix of the result files' name")
+    a = p.parse_args(argv)
+    return a, {t: run_child(module, {"threads": t, "reps": a.reps}) for t in (1, 2)}
+
+
+def report(a: argparse.Namespace, kind: str, res: dict[int, dict[str, Any]], header: str,
+           rows: list[str]) -> None:
+    """Write :func:`thread_children`'s results as ``<kind>[_<tag>]`` (with the machine) under
+    ``--out`` or the results folder, and print the table."""
+    write_result("_".join(x for x in (kind, a.tag) if x), {"machine": machine(), "results": res},
+                 header, rows, None if a.out is None else Path(a.out))
+    print("\n".join([header, *rows]))
 
 
 def child_main(argv: list[str], run: Any) -> bool:

@@ -2,10 +2,10 @@
 
 PyTorch multiplies fp32 matrices on x86 CPUs through its BLAS, Intel's MKL (``F.linear``,
 ``torch.mm``). On AMD CPUs MKL runs its AVX2 kernels even where the core has AVX-512: on the
-Zen 5 host of 2026-12-06 a [338, 576] × [576, 1536] product ran at 120 GFLOP/s on one thread
-and 228 on two through MKL, and at 238-276 and 447-528 through oneDNN, which PyTorch also
-bundles and which picks its kernels by the CPU's features, not its vendor
-(``python -m benchmarks.bench_matmul``). :func:`linear` is ``F.linear`` through oneDNN
+Zen 5 host of 2026-12-06 a [338, 576] × [576, 1536] product ran at 121 GFLOP/s on one thread
+and 234 on two through MKL, and at 265 and 521 through oneDNN, which PyTorch also bundles and
+which picks its kernels by the CPU's features, not its vendor (``python -m
+benchmarks.bench_matmul --tag zen5``). :func:`linear` is ``F.linear`` through oneDNN
 (``torch.ops.mkldnn._linear_pointwise``, the op inductor emits for CPU linears; the decode
 steps' packed products are the same op, :mod:`gspo.models.decode`), with a backward of two
 more oneDNN products: ∂x = g W, ∂W = gᵀ x. Values equal ``F.linear``'s to fp32 rounding
