@@ -118,14 +118,17 @@ def _products_mode() -> Any:
 
 def _signature(name: str, args: Any, out: Any) -> dict[str, Any]:
     """What it takes to rerun a product: its operands' sizes and strides (for the oneDNN
-    linear: input, output width and the rows its weight was packed for are unknown, so the
-    input's row count is used)."""
+    linear: input, output width, and the weight's layout when it is a plain tensor; a packed
+    weight's rows are unknown, so the input's row count is used)."""
     import torch
 
     if name == "mkldnn::_linear_pointwise":
-        x = args[0]
-        return {"op": name, "x": [list(x.shape), list(x.stride())], "n": int(out.shape[-1]),
-                "bias": args[2] is not None}
+        x, w = args[0], args[1]
+        sig = {"op": name, "x": [list(x.shape), list(x.stride())], "n": int(out.shape[-1]),
+               "bias": args[2] is not None}
+        if not w.is_mkldnn:  # a plain weight (matmul=onednn's products), any strides
+            sig["w"] = [list(w.shape), list(w.stride())]
+        return sig
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     return {"op": name, "operands": [[list(t.shape), list(t.stride())] for t in tensors],
             "scalars": [a for a in args if not isinstance(a, torch.Tensor)]}
@@ -145,8 +148,10 @@ def _runner(sig: dict[str, Any], copies: int = 1) -> tuple[Any, float]:
         (shape, stride), n = sig["x"], sig["n"]
         k = shape[-1]
         m = max(1, math.prod(shape) // k)
-        sets = [(make(shape, stride), torch.ops.mkldnn._reorder_linear_weight(torch.randn(n, k), m),
-                 torch.randn(n) if sig["bias"] else None) for _ in range(copies)]
+        weight = ((lambda: make(*sig["w"])) if "w" in sig else  # plain, or packed for m rows
+                  (lambda: torch.ops.mkldnn._reorder_linear_weight(torch.randn(n, k), m)))
+        sets = [(make(shape, stride), weight(), torch.randn(n) if sig["bias"] else None)
+                for _ in range(copies)]
         call = lambda x, w, b: torch.ops.mkldnn._linear_pointwise(  # noqa: E731
             x, w, b, "none", [], "")
         flops = 2.0 * m * k * n

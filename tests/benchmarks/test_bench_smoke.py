@@ -195,6 +195,31 @@ def test_isolated_products_rerun_what_was_recorded():
     assert ((7, 1), (1, 7)) in strides  # a × wᵀ: w's transposed view kept as recorded
 
 
+def test_isolated_onednn_products_keep_a_plain_weights_layout():
+    """matmul=onednn's products (oneDNN on plain weights, transposed views in backward) are
+    recorded with the weight's layout and rerun on it; a packed weight is rerun packed."""
+    import torch
+
+    from benchmarks.bench_thread_scaling import _products_mode, _runner
+    from gspo.models import onednn
+
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("torch without oneDNN")
+    x, w = torch.randn(5, 7, requires_grad=True), torch.randn(3, 7, requires_grad=True)
+    packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 5)
+    mode = _products_mode()
+    with mode:
+        onednn.linear(x, w).sum().backward()  # x Wᵀ, then g W and gᵀ x
+        torch.ops.mkldnn._linear_pointwise(x.detach(), packed, None, "none", [], "")
+    sigs = [e["sig"] for e in mode.seen.values()]
+    assert len(sigs) == 4 and sum("w" not in sig for sig in sigs) == 1  # the packed one
+    assert {tuple(map(tuple, sig["w"])) for sig in sigs if "w" in sig} == {
+        ((3, 7), (7, 1)), ((7, 3), (1, 7)), ((7, 5), (1, 7))}  # W, Wᵀ, xᵀ as views
+    for sig in sigs:
+        fn, flops = _runner(sig)
+        assert fn().shape[-1] == sig["n"] and flops > 0
+
+
 def test_thread_scaling_isolated_end_to_end(tmp_path):
     from benchmarks import bench_thread_scaling
 
