@@ -76,7 +76,10 @@ def pays(model: Any) -> str | None:
     tiny test presets keep BLAS). Elsewhere (Intel CPUs, where MKL uses AVX-512 itself; AMD
     without AVX-512) it was not measured to pay, so ``auto`` keeps BLAS."""
     from gspo.models.decode import packable, packing_pays
+    from gspo.models.lean_forward import lean_unsupported
 
+    if (why := lean_unsupported(model)) is not None:  # e.g. a PEFT wrapper
+        return f"the lean passes do not take this model: {why}"
     if (why := packable(model)) is not None:
         return why
     vendor, flags = _cpu()

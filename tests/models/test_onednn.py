@@ -98,3 +98,7 @@ def test_auto_uses_onednn_only_on_amd_with_avx512_and_large_layers(monkeypatch):
     assert "without AVX-512" in onednn.pays(model)
     monkeypatch.setattr(onednn, "_cpu", lambda: amd)
     assert "float64" in onednn.pays(model.double())
+    from gspo.config import LoRAConfig
+    from gspo.models.lora import apply_lora
+
+    assert "lean passes do not take" in onednn.pays(apply_lora(model, LoRAConfig(r=4, alpha=8)))
