@@ -27,11 +27,11 @@ KINDS = ("forward", "grad_x", "grad_w")
 
 def _products(x: Any, w: Any, g: Any) -> dict[str, tuple[Any, Any]]:
     """kind -> (BLAS call, oneDNN call) of the same product."""
-    from gspo.models.onednn import _mm
+    from gspo.models.onednn import mm
 
-    return {"forward": (lambda: x @ w.t(), lambda: _mm(x, w, None)),
-            "grad_x": (lambda: g @ w, lambda: _mm(g, w.t(), None)),
-            "grad_w": (lambda: g.t() @ x, lambda: _mm(g.t(), x.t(), None))}
+    return {"forward": (lambda: x @ w.t(), lambda: mm(x, w, None)),
+            "grad_x": (lambda: g @ w, lambda: mm(g, w.t(), None)),
+            "grad_w": (lambda: g.t() @ x, lambda: mm(g.t(), x.t(), None))}
 
 
 def _gflops(f: Any, flop: int, reps: int) -> float:

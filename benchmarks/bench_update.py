@@ -50,8 +50,8 @@ def _clock(threads: int) -> int:
 def matmul_peak(shapes: list[tuple[int, int, int]], threads: int, reps: int = 5,
                 gflop: float = 2.0, onednn: bool = False) -> dict[str, float]:
     """Median GFLOP/s of ``torch.mm`` [m, k] × [k, n] for each shape (~``gflop`` per timing);
-    ``onednn``: of the same product through oneDNN (:func:`gspo.models.onednn._mm`)."""
-    from gspo.models.onednn import _mm
+    ``onednn``: of the same product through oneDNN (:func:`gspo.models.onednn.mm`)."""
+    from gspo.models.onednn import mm
 
     out = {}
     for m, k, n in shapes:
@@ -63,7 +63,7 @@ def matmul_peak(shapes: list[tuple[int, int, int]], threads: int, reps: int = 5,
             t0 = now()[_clock(threads)]
             for _ in range(inner):
                 if onednn:
-                    _mm(a, bt, None)
+                    mm(a, bt, None)
                 else:
                     torch.mm(a, b)
             times.append((now()[_clock(threads)] - t0) / inner)

@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from gspo.models.lean_forward import key_bias, lean_hidden
-from gspo.models.onednn import _mm
 from gspo.models.onednn import linear as onednn_linear
+from gspo.models.onednn import mm
 
 # Config attributes of heads that do more than a linear layer; those models take the slow path.
 _HEAD_EXTRAS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier")
@@ -39,7 +39,7 @@ def _chunk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
                     labels: torch.Tensor, temperature: float,
                     with_entropy: bool = False, onednn: bool = False
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = (_mm if onednn else F.linear)(hidden.float(), weight.float(),
+    logits = (mm if onednn else F.linear)(hidden.float(), weight.float(),
                                            None if bias is None else bias.float())
     logits = logits / temperature
     lse = torch.logsumexp(logits, dim=-1)
@@ -69,7 +69,7 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
         lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         out, ent = torch.empty_like(lse), torch.zeros_like(lse)
         w, b = weight.float(), None if bias is None else bias.float()
-        product = _mm if onednn else F.linear
+        product = mm if onednn else F.linear
         for s in range(0, hidden.shape[0], chunk):
             z = product(hidden[s:s + chunk].float(), w, b).div_(temperature)
             lse[s:s + chunk] = torch.logsumexp(z, dim=-1)
@@ -91,14 +91,14 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
         # nothing is zero-filled (at V × H = 49k × 576 a fill costs as much as a small matmul).
         g_h = torch.empty_like(hidden, dtype=torch.float32) if need_h else None
         g_w = g_b = None
-        product = _mm if ctx.onednn else F.linear
+        product = mm if ctx.onednn else F.linear
         for s in range(0, hidden.shape[0], chunk):
             h, y, g = hidden[s:s + chunk].float(), labels[s:s + chunk], grad[s:s + chunk] / t
             z = product(h, w, b).div_(t)
             dz = z.sub_(lse[s:s + chunk, None]).exp_().mul_(-g[:, None])  # −g·softmax, in place
             dz[torch.arange(len(y), device=y.device), y] += g  # + g·onehot(y)
             if g_h is not None and ctx.onednn:
-                g_h[s:s + chunk] = _mm(dz, w.t(), None)
+                g_h[s:s + chunk] = mm(dz, w.t(), None)
             elif g_h is not None:
                 torch.mm(dz, w, out=g_h[s:s + chunk])
             if need_w:

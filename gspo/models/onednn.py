@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 
-def _mm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def mm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x Wᵀ + b`` for a 2-D ``x`` [M, K] and ``weight`` [N, K] (any strides), by oneDNN."""
     if x.shape[0] == 0:
         return F.linear(x, weight, bias)
@@ -34,7 +34,7 @@ class _Linear(torch.autograd.Function):
                 bias: torch.Tensor | None) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        return _mm(x.reshape(-1, x.shape[-1]), weight, bias).view(*x.shape[:-1],
+        return mm(x.reshape(-1, x.shape[-1]), weight, bias).view(*x.shape[:-1],
                                                                     weight.shape[0])
 
     @staticmethod
@@ -42,8 +42,8 @@ class _Linear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         g = grad.reshape(-1, grad.shape[-1])
         need_x, need_w, need_b = ctx.needs_input_grad
-        gx = _mm(g, weight.t(), None).view(x.shape) if need_x else None
-        gw = _mm(g.t(), x.reshape(-1, x.shape[-1]).t(), None) if need_w else None
+        gx = mm(g, weight.t(), None).view(x.shape) if need_x else None
+        gw = mm(g.t(), x.reshape(-1, x.shape[-1]).t(), None) if need_w else None
         gb = g.sum(0) if need_b and ctx.has_bias else None
         return gx, gw, gb
 

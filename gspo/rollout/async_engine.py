@@ -143,7 +143,12 @@ def pack(entries: list[_Entry], only: list[int], model: torch.nn.Module,
          out: dict[str, torch.Tensor]) -> None:
     """``model``'s tensors of ``entries[i]``, ``i`` in ``only``, back to back in one buffer per
     dtype (``out``, from :func:`packed_buffers`): what a publish of only those sends."""
-    srcs = [t for *_, t in _named_tensors(model)]
+    pack_tensors(entries, only, [t for *_, t in _named_tensors(model)], out)
+
+
+def pack_tensors(entries: list[_Entry], only: list[int], srcs: list[torch.Tensor],
+                 out: dict[str, torch.Tensor]) -> None:
+    """:func:`pack` from ``srcs`` (one tensor per entry, e.g. a slot's :func:`_views`)."""
     for key, buf in out.items():
         buf.copy_(torch.cat([srcs[i].detach().reshape(-1) for i in only
                              if entries[i].dtype == key]))
@@ -353,6 +358,7 @@ class _DeviceModel:
                         for k, n in sizes.items()}
         self.model = _materialize(skeleton, entries, self.buffers)
         self.entries, self.changing = entries, changing
+        self.host = packed_buffers(entries, changing)  # the adapter, packed on the host
         self.version = -1
         self.last_bytes = 0  # what the last load copied
 
@@ -367,12 +373,9 @@ class _DeviceModel:
                 buf.copy_(slot[k])
             self.last_bytes = sum(b.numel() * b.element_size() for b in self.buffers.values())
         else:
-            views = _views(self.entries, slot)
-            packed = {key: torch.cat([views[i].reshape(-1) for i in self.changing
-                                      if self.entries[i].dtype == key]).to(buf.device)
-                      for key, buf in self.buffers.items()
-                      if any(self.entries[i].dtype == key for i in self.changing)}
-            unpack(self.entries, self.changing, packed, self.buffers)
+            pack_tensors(self.entries, self.changing, _views(self.entries, slot), self.host)
+            unpack(self.entries, self.changing,
+                   {k: v.to(self.buffers[k].device) for k, v in self.host.items()}, self.buffers)
             self.last_bytes = entry_bytes(self.entries, self.changing)
         if self.buffers and next(iter(self.buffers.values())).is_cuda:
             torch.cuda.synchronize()
