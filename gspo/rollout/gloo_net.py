@@ -13,15 +13,18 @@ holds it, so that gspo can bind there itself whenever the user has not named an 
   peer, each end's address as other machines reach it);
 - a torchrun trainer whose world spans machines sets ``GLOO_SOCKET_IFNAME`` to the interface
   on the route to ``MASTER_ADDR`` before it joins its process group
-  (:func:`gspo.trainer.distributed.init_from_env`).
+  (:func:`gspo.trainer.distributed.init_from_env`);
+- where ``GLOO_SOCKET_IFNAME`` names one interface, the engine link binds to an address of
+  that interface that it chooses itself, so that the other end can bind in the same family
+  (:func:`bind_source`).
 
 A name that resolves to loopback on this machine (the master's own name, with the line above)
 names this machine as the others reach it: then the address is the source of the default
 route (IPv4's, else IPv6's), or the one interface other than loopback (:func:`outward_address`).
 
 Tested between network namespaces of one machine (separate network stacks joined by virtual
-Ethernet links, each host's own name on 127.0.1.1), over IPv4 and over IPv6 only:
-``tests/trainer/test_network_hosts.py``.
+Ethernet links, each host's own name on 127.0.1.1), over IPv4, over IPv6 only, and on
+hosts with both whose names resolve to IPv6: ``tests/trainer/test_network_hosts.py``.
 """
 
 from __future__ import annotations
@@ -156,10 +159,28 @@ def reachable_source(host: str) -> str | None:
 
 
 def bind_source(host: str) -> str | None:
-    """The address a gloo device for a link to ``host`` binds to (:func:`reachable_source`),
-    or None to keep gloo's default device: when ``GLOO_SOCKET_IFNAME`` names the interface,
-    or when no address is found."""
-    return None if os.environ.get(IFNAME) else reachable_source(host)
+    """The address a gloo device for a link to ``host`` binds to, or None to keep gloo's
+    default device.
+
+    - No ``GLOO_SOCKET_IFNAME``: :func:`reachable_source`.
+    - ``GLOO_SOCKET_IFNAME`` naming one interface (the user's, or the one a torchrun trainer
+      set for its world, :func:`interface_towards_master`): that interface's address in the
+      family of the route to ``host``, else its other one. gloo's own device for the name
+      binds to the interface's first address, usually its IPv4 one. A peer that binds towards
+      this end's IPv6 address could then not connect (gloo needs one family at both ends),
+      and a peer cannot tell which one gloo took.
+    - None for a list of interfaces (gloo's default device uses them all), for an interface
+      this machine does not have, or when no address is found.
+    """
+    named = os.environ.get(IFNAME)
+    if not named:
+        return reachable_source(host)
+    if "," in named:
+        return None
+    v4, v6 = interface_addresses().get(named), interface_addresses6().get(named)
+    source = route_source(host)
+    six = source is not None and ipaddress.ip_address(source.split("%")[0]).version == 6
+    return next((a for a in ((v6, v4) if six else (v4, v6)) if a), None)
 
 
 def device_at(address: str | None) -> Any:

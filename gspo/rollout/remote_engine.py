@@ -175,9 +175,11 @@ def _device(store: Any, host: str | None, rank: int) -> Any:
     (:func:`gspo.rollout.gloo_net.bind_source`). It leaves that address in the store, and the
     engine binds to its own address on the route to it. So both ends bind in one address
     family, which gloo needs (an engine that resolved the trainer's name to IPv6 while the
-    trainer bound IPv4 could not connect). When the trainer binds nowhere in particular
-    (``GLOO_SOCKET_IFNAME`` names its interface, or no address was found), the engine binds
-    towards ``host`` itself; ``GLOO_SOCKET_IFNAME`` on the engine's side names its interface."""
+    trainer bound IPv4 could not connect). Where ``GLOO_SOCKET_IFNAME`` names one interface
+    (set by the user, or by a torchrun trainer for its world), each end binds to an address
+    of that interface, the engine in the family of the trainer's. When the trainer binds
+    nowhere in particular (a list of interfaces, or no address found), the engine binds
+    towards ``host`` itself."""
     if rank == TRAINER:
         source = bind_source(host) if host else None
         store.set(TRAINER_BINDS, source or "")

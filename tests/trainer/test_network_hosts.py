@@ -76,7 +76,27 @@ def test_interface_towards_master_only_when_the_world_spans_machines(monkeypatch
     monkeypatch.setattr(gloo_net, "interface_addresses6", lambda: {"eth7": "fd00::5"})
     assert gloo_net.outward_address() == "192.0.2.5"  # the one interface but loopback
     monkeypatch.setenv(gloo_net.IFNAME, "eth1")
-    assert gloo_net.device_towards("192.0.2.1") is None  # the named interface stands
+    assert gloo_net.device_towards("192.0.2.1") is None  # no such interface: gloo's own
+
+
+def test_a_named_interface_binds_in_the_family_of_the_route(monkeypatch):
+    """With GLOO_SOCKET_IFNAME naming one interface, the link binds to that interface's
+    address in the family of the route to the peer (its other one where it has only that);
+    a list of interfaces keeps gloo's default device."""
+    routes = {"192.0.2.1": "192.0.2.5", "fd01::1": "fd00::5", "h0": "127.0.1.1"}
+    monkeypatch.setattr(gloo_net, "route_source", routes.get)
+    monkeypatch.setattr(gloo_net, "interface_addresses",
+                        lambda: {"lo": "127.0.0.1", "eth7": "192.0.2.5", "eth8": "10.0.0.8"})
+    monkeypatch.setattr(gloo_net, "interface_addresses6", lambda: {"eth7": "fd00::5"})
+    monkeypatch.setenv(gloo_net.IFNAME, "eth7")
+    assert gloo_net.bind_source("192.0.2.1") == "192.0.2.5"
+    assert gloo_net.bind_source("fd01::1") == "fd00::5"
+    assert gloo_net.bind_source("h0") == "192.0.2.5"  # own name: loopback, IPv4 first
+    assert gloo_net.bind_source("no-route") == "192.0.2.5"
+    monkeypatch.setenv(gloo_net.IFNAME, "eth8")
+    assert gloo_net.bind_source("fd01::1") == "10.0.0.8"  # the only address it has
+    monkeypatch.setenv(gloo_net.IFNAME, "eth7,eth8")
+    assert gloo_net.bind_source("192.0.2.1") is None
 
 
 def test_outward_address_on_a_host_without_ipv4(monkeypatch):
@@ -282,10 +302,14 @@ def test_an_engine_on_another_host_gives_the_local_engines_run(where, request, t
 
 
 @pytest.mark.slow
-def test_torchrun_across_hosts_with_an_engine_on_a_third(hosts, tmp_path):
+@pytest.mark.parametrize("family", ["ipv4", "ipv6", "dual"])
+def test_torchrun_across_hosts_with_an_engine_on_a_third(family, request, tmp_path):
     """A 2-rank trainer with one rank on each of h0 and h1 (torchrun, static ranks, master h0),
     each rank's `gspo engine` on h2: the one-machine 2-rank run with spawned engines, bit for
-    bit. Both the trainers' gloo world and each rank's link to its engine cross hosts."""
+    bit. Both the trainers' gloo world and each rank's link to its engine cross hosts: on
+    IPv4 hosts, on hosts with IPv6 only, and on hosts with both whose names resolve to IPv6."""
+    hosts = request.getfixturevalue({"ipv4": "hosts", "ipv6": "hosts6",
+                                     "dual": "hosts_dual"}[family])
     out = tmp_path / "hosts"
     env = _env(out)
     addresses = ["tcp://h0:29621", "tcp://h1:29622"]
