@@ -166,7 +166,8 @@ def _packed_pass(model: Any, input_ids: torch.Tensor, target_mask: torch.Tensor,
                                    key_bias(p_mask, width, head.weight.dtype), keep_kv=True,
                                    compiled=compiled, linear=linear)
         last = p_hidden[:, -1]
-        kv = [(k[owner], v[owner]) for k, v in kv]  # row i reads prompt owner[i]'s
+        # row i reads prompt owner[i]'s (index_select: see lean_forward.joint_layer)
+        kv = [(k.index_select(0, owner), v.index_select(0, owner)) for k, v in kv]
     else:
         out = backbone(input_ids=p_ids, attention_mask=p_mask, position_ids=p_pos,
                        use_cache=True)
@@ -198,7 +199,7 @@ def _head_pass(head: Any, last: torch.Tensor, hidden: torch.Tensor, owner: torch
     layout of ``target_mask``."""
     dev = hidden.device
     # Response token j is predicted by the state before it: the prompt's last one for j = 0.
-    before = torch.cat([last[owner][:, None], hidden[:, :-1]], dim=1)
+    before = torch.cat([last.index_select(0, owner)[:, None], hidden[:, :-1]], dim=1)
     targets = valid & target_mask.bool().gather(1, src)
     rows, j = targets.nonzero(as_tuple=True)
     picked, labels = before[rows, j], r_ids[rows, j]
