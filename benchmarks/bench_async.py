@@ -22,8 +22,11 @@ benchmark's, configured the same way. Arms (``--arms``), each with its thread co
   pins each torch thread, the main one included, to its own core for the child's life: no
   migration between cores, each thread's cache stays warm).
   ``sync-bf16@1``, ``sync-bf16@2``: ``rollout.precision=bf16`` (a bfloat16 copy of the fp32
-  policy samples, its decode products through ``F.linear``, which runs on AMX tiles on hosts
-  that have them; the π_old pass and the update stay fp32, so the ratios do too).
+  policy samples, its decode products through oneDNN on bf16 weights packed once per rollout
+  where oneDNN has bf16 kernels (AVX-512, AMX tiles on hosts that have them); the π_old pass
+  and the update stay fp32, so the ratios do too); ``sync-bf16blas@1``, ``sync-bf16blas@2``:
+  the same with ``rollout.decode_matmul=blas`` (the bf16 copy's products through
+  ``F.linear``, which on the CPU is oneDNN on the unpacked weights).
   ``sync-twopass@1``, ``sync-twopass@2``: the packed lean pass (π_old and update) with the
   prompts and then the responses each through the whole backbone, one pass after the other
   (``gspo.models.packing.JOINT_LAYERS = False``, gspo's pass before 2026-12-06), against the
@@ -124,6 +127,8 @@ ARMS: dict[str, tuple[str, int, int, list[str]]] = {
     "sync-mmblas@2": ("gspo", 2, 0, ["matmul=blas"]),
     "sync-bf16@1": ("gspo", 1, 0, ["rollout.precision=bf16"]),
     "sync-bf16@2": ("gspo", 2, 0, ["rollout.precision=bf16"]),
+    "sync-bf16blas@1": ("gspo", 1, 0, ["rollout.precision=bf16", "rollout.decode_matmul=blas"]),
+    "sync-bf16blas@2": ("gspo", 2, 0, ["rollout.precision=bf16", "rollout.decode_matmul=blas"]),
     "async1@1+1": ("gspo", 1, 1, ["rollout.async_steps=1", "rollout.async_threads=1"]),
     "async2@1+1": ("gspo", 1, 1, ["rollout.async_steps=2", "rollout.async_threads=1"]),
     # async1@1+1 without the trainer's diagnostic pass on this step's weights (the staleness
@@ -174,6 +179,8 @@ VARIANTS = {"compile": "compile_layers", "thp": "THP_MEM_ALLOC_ENABLE=1",
             "jemalloc": "jemalloc (LD_PRELOAD)", "tcmalloc": "tcmalloc (LD_PRELOAD)",
             "bind": "OMP_PROC_BIND=close OMP_PLACES=cores",
             "bf16": "rollout.precision=bf16",
+            "bf16blas": "rollout.precision=bf16 with the bf16 copy's decode products through "
+                        "F.linear (not packed: the bf16 sampling before 2026-12-06's last change)",
             "twopass": "two passes (prompts, then responses; the packing before 2026-12-06)",
             "mmblas": "matmul=blas (the lean passes' products through MKL, as before "
                       "2026-12-06)"}

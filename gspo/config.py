@@ -112,8 +112,9 @@ class RolloutConfig:
     decode_matmul: Literal["auto", "blas", "onednn"] = _f(
         "auto", "engine=hf with fast_decode: the decode steps' matrix products through 'blas' "
         "(F.linear: MKL on x86) or 'onednn' (weights packed once per rollout for oneDNN; CPU "
-        "and float32 only; SmolLM2 rollouts 1.5-2.1x faster on the 2-core CI machine, same "
-        "numbers to fp32 rounding); 'auto': onednn where it applies and the layers are larger "
+        "only, float32, or bfloat16 (rollout.precision=bf16, dtype=bfloat16) where oneDNN has "
+        "bf16 kernels (AVX-512); SmolLM2 rollouts 1.5-2.1x faster on the 2-core CI machine, "
+        "same numbers to fp32 rounding); 'auto': onednn where it applies and the layers are larger "
         "than 1 MiB (below, "
         "its per-call cost outweighs it: tiny presets decode through blas). With onednn the "
         "prefill's products go through oneDNN too")
@@ -563,10 +564,8 @@ def validate(cfg: TrainConfig) -> None:
     _check(r.decode_matmul == "auto" or (r.engine == "hf" and r.fast_decode),
            f"rollout.decode_matmul={r.decode_matmul} needs rollout.engine=hf and "
            "rollout.fast_decode=true (it picks the kernels of gspo's own decode steps)")
-    _check(r.decode_matmul != "onednn" or (cfg.dtype == "float32" and r.precision == "fp32"
-                                           and not cfg.device.startswith("cuda")),
-           "rollout.decode_matmul=onednn needs dtype=float32, rollout.precision=fp32 and the "
-           "CPU (device=cpu or auto without a GPU)")
+    _check(r.decode_matmul != "onednn" or not cfg.device.startswith("cuda"),
+           "rollout.decode_matmul=onednn needs the CPU (device=cpu or auto without a GPU)")
     _check(0 < r.vllm_memory_fraction <= 1, "rollout.vllm_memory_fraction must be in (0, 1]")
     _check(r.max_turns >= 1, "rollout.max_turns must be >= 1")
     _check((r.max_turns > 1) == bool(r.env),

@@ -281,8 +281,6 @@ def test_yaml_timestamp_like_override_is_a_string_or_error():
     (["rollout.temperature=nan"], "rollout.temperature"),
     (["rollout.decode_matmul=blas", "rollout.fast_decode=false"], "rollout.decode_matmul=blas"),
     (["rollout.decode_matmul=onednn", "rollout.engine=vllm"], "rollout.decode_matmul=onednn"),
-    (["rollout.decode_matmul=onednn", "rollout.precision=bf16"], "rollout.decode_matmul=onednn"),
-    (["rollout.decode_matmul=onednn", "dtype=bfloat16"], "rollout.decode_matmul=onednn"),
     (["rollout.decode_matmul=onednn", "device=cuda:0"], "rollout.decode_matmul=onednn"),
     (["rollout.decode_matmul=mkl"], "rollout.decode_matmul"),
     (["compile_layers=true", "lean_forward=false"], "compile_layers=true"),
@@ -302,6 +300,10 @@ def test_cross_field_accepts_edges():
                              "objective.eps_high=0.27"])
     assert cfg.objective.num_minibatches == 4
     assert cfg.task.level_weights == [1.0, 0.0, 2.0]
+    # the packed decode takes a bf16 rollout copy and a bf16 policy too
+    for extra in ("rollout.precision=bf16", "dtype=bfloat16"):
+        assert load_config(None, ["rollout.decode_matmul=onednn", extra]).rollout.decode_matmul \
+            == "onednn"
 
 
 def test_validate_on_mutated_config():

@@ -258,7 +258,8 @@ def generate(model: Any, prompts: list[list[int]], *, group_size: int, params: S
     they cover (an MoE model's blocks run as its own modules there, so routing is recorded
     alike); else both through ``forward``.
     ``decode_matmul`` picks the decode steps' matrix products (:class:`DenseDecoder`'s
-    ``packed``): "blas" (``F.linear``), "onednn" (packed weights; a CPU float32 model), "auto"
+    ``packed``): "blas" (``F.linear``), "onednn" (packed weights; a CPU model in float32, or
+    in bfloat16 where oneDNN has bf16 kernels), "auto"
     (onednn where :func:`gspo.models.decode.packable` allows and
     :func:`gspo.models.decode.packing_pays`: layers larger than the tiny presets').
     """
@@ -272,11 +273,14 @@ def generate(model: Any, prompts: list[list[int]], *, group_size: int, params: S
     # decided before the routing log hooks the routers (the lean passes call an MoE block as
     # its own module, so those hooks fire there too; hooks elsewhere would be bypassed)
     lean = fast_decode and unsupported(model) is None
+    if lean and decode_matmul == "onednn" and (why := packable(model, bf16=True)) is not None:
+        raise ValueError(f"decode_matmul=onednn: {why}")
     log = (_RoutingLog(model, [len(p) for p in prompts], group_size, params.max_new_tokens)
            if record_routing else None)
     try:
         packed = lean and (decode_matmul == "onednn" or (
-            decode_matmul == "auto" and packable(model) is None and packing_pays(model)))
+            decode_matmul == "auto" and packable(model, bf16=True) is None
+            and packing_pays(model)))
         # The fast path runs in inference mode (no autograd bookkeeping on any tensor: a tiny
         # model's decode step 0.81 -> 0.67 ms); what it returns is copied out of it below.
         with no_autograd(lean and inference_safe(model)):

@@ -7,6 +7,7 @@ from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Con
 from gspo.models.decode import (
     FUSE_MAX_BYTES,
     DenseDecoder,
+    bf16_kernels,
     onednn_available,
     packable,
     packing_pays,
@@ -84,6 +85,34 @@ def test_decode_steps_equal_forward_with_padding_and_dropped_rows(kind, fuse, pa
         next_pos = next_pos + 1
 
 
+@pytest.mark.skipif(not (onednn_available() and bf16_kernels()),
+                    reason="oneDNN has no bfloat16 kernels on this CPU")
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "qwen2_moe"])
+def test_bf16_decode_steps_packed_equal_forward_to_bf16_rounding(kind):
+    """A bfloat16 model (rollout.precision=bf16's copy) on weights packed for oneDNN: the
+    logits of ``forward`` in bf16 to two bf16 steps at their scale (~0.5 here)."""
+    model = _model(kind).to(torch.bfloat16)
+    ids, mask = _left_pad(PROMPTS, 0)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
+        lean = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
+    decoder = DenseDecoder(model, lean.cache, mask, extra=4, packed=True)
+    assert decoder.head.packed is not None
+    cache, next_pos = ref.cache, mask.sum(-1)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(4):
+        tok = torch.randint(3, 97, (3,), generator=gen)
+        mask = torch.cat([mask, torch.ones((3, 1), dtype=mask.dtype)], dim=1)
+        with torch.no_grad():
+            out = model(input_ids=tok[:, None], attention_mask=mask,
+                        position_ids=next_pos[:, None], cache=cache, use_cache=True)
+        got = decoder.step(tok, next_pos)
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), out.logits[:, -1].float(), rtol=0, atol=8e-3)
+        next_pos = next_pos + 1
+
+
 def test_generate_with_and_without_the_lean_decoder_agree():
     model, _ = build_tiny("llama", seed=3)
     prompts = [[2, 40, 41, 42, 43], [2, 50], [2, 60, 61, 62]]
@@ -125,14 +154,45 @@ def test_onednn_and_blas_decode_sample_the_same_tokens_to_fp32_rounding():
 
 
 def test_packable_names_what_stops_onednn():
+    """The trainer's passes take fp32 only; the decode steps also bf16 where oneDNN has bf16
+    kernels, and a model in another dtype is refused by name."""
     bf16, _ = build_tiny("llama", seed=1, dtype=torch.bfloat16)
     assert "bfloat16" in packable(bf16)
-    # a bf16 model under "auto" decodes through F.linear; "onednn" is refused by name
+    assert packable(bf16, bf16=True) == (None if bf16_kernels() else
+                                         "oneDNN has no bfloat16 kernels on this CPU")
+    # a tiny bf16 model under "auto" decodes through F.linear (packing does not pay)
     assert generate(bf16, [[2, 40]], group_size=1, params=SamplingParams(3), eos=[1],
                     pad_id=0, greedy=True).response_ids
-    with pytest.raises(ValueError, match=r"DenseDecoder: the model is in torch\.bfloat16"):
-        generate(bf16, [[2, 40]], group_size=1, params=SamplingParams(3), eos=[1], pad_id=0,
+    fp16, _ = build_tiny("llama", seed=1, dtype=torch.float16)
+    assert packable(fp16, bf16=True) == "the model is in torch.float16, not float32 or bfloat16"
+    with pytest.raises(ValueError, match=r"decode_matmul=onednn: the model is in torch\.float16"):
+        generate(fp16, [[2, 40]], group_size=1, params=SamplingParams(3), eos=[1], pad_id=0,
                  greedy=True, decode_matmul="onednn")
+
+
+@pytest.mark.skipif(not (onednn_available() and bf16_kernels()),
+                    reason="oneDNN has no bfloat16 kernels on this CPU")
+def test_bf16_decode_packed_agrees_with_f_linear_to_bf16_rounding(monkeypatch):
+    """rollout.precision=bf16's copy: its decode steps on bf16 weights packed for oneDNN give
+    the greedy tokens of F.linear's and the log-probs to bf16 rounding."""
+    import gspo.rollout.sampler as sampler
+
+    packed = []
+
+    class Recorded(DenseDecoder):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            packed.append(self.head.packed is not None)
+
+    monkeypatch.setattr(sampler, "DenseDecoder", Recorded)
+    model, _ = build_tiny("llama", seed=1, dtype=torch.bfloat16)
+    runs = {m: generate(model, [[2, 40, 41, 42], [2, 50, 51]], group_size=3, eos=[1],
+                        pad_id=0, params=SamplingParams(10), greedy=True, decode_matmul=m)
+            for m in ("blas", "onednn")}
+    assert packed == [False, True]
+    assert runs["blas"].response_ids == runs["onednn"].response_ids
+    for a, b in zip(runs["blas"].logprobs, runs["onednn"].logprobs):
+        torch.testing.assert_close(a, b, rtol=0, atol=2e-2)
 
 
 def test_models_it_does_not_cover_are_named_and_fall_back_to_forward():
