@@ -112,9 +112,10 @@ class RolloutConfig:
     decode_matmul: Literal["auto", "blas", "onednn"] = _f(
         "auto", "engine=hf with fast_decode: the decode steps' matrix products through 'blas' "
         "(F.linear: MKL on x86) or 'onednn' (weights packed once per rollout for oneDNN; CPU "
-        "only, float32, or bfloat16 (rollout.precision=bf16, dtype=bfloat16) where oneDNN has "
-        "bf16 kernels (AVX-512); SmolLM2 rollouts 1.5-2.1x faster on the 2-core CI machine, "
-        "same numbers to fp32 rounding); 'auto': onednn where it applies and the layers are larger "
+        "only; float32: SmolLM2 rollouts 1.5-2.1x faster on the 2-core CI machine, same "
+        "numbers to fp32 rounding; bfloat16 (rollout.precision=bf16, dtype=bfloat16) where "
+        "oneDNN has bf16 kernels (AVX-512): 1.1-1.2x on Zen 5); 'auto': onednn where it "
+        "applies and the layers are larger "
         "than 1 MiB (below, "
         "its per-call cost outweighs it: tiny presets decode through blas). With onednn the "
         "prefill's products go through oneDNN too")

@@ -215,8 +215,8 @@ def joint_layer(layer: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=prompt_bias, scale=attn.scaling,
                                         enable_gqa=gqa)
     # index_select, not kp[owner]: the same values, and its backward is an index_add, where
-    # advanced indexing's is an accumulating index_put that gets slower on two threads
-    # (SmolLM2's prompt keys: 94 µs on one thread, 358 µs on two; index_select 34 / 31)
+    # advanced indexing's is an accumulating index_put, which got slower with a second thread
+    # (0.32x in benchmarks/results/thread_scaling_*_zen5_onednn_isolated.md)
     k = torch.cat([kp.index_select(0, owner), k], dim=2)
     v = torch.cat([vp.index_select(0, owner), v], dim=2)
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=attn.scaling,

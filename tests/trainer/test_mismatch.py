@@ -132,6 +132,20 @@ def test_bf16_engine_gives_mismatch_and_follows_the_policy(tmp_path):
     assert 0 < row["drift/engine_share"] < 1 and "drift/seq_log_ratio_abs_p99" in row
 
 
+def test_bf16_engine_refuses_onednn_decode_where_onednn_has_no_bf16_kernels(tmp_path,
+                                                                          monkeypatch):
+    """rollout.decode_matmul=onednn with the bf16 copy: refused when the engine starts, by
+    name, on a CPU without oneDNN bf16 kernels (faked here)."""
+    from gspo.config import ConfigError
+    from gspo.models import decode
+
+    monkeypatch.setattr(decode, "bf16_kernels", lambda: False)
+    cfg = _cfg(tmp_path, "nobf16", "rollout.precision=bf16", "rollout.decode_matmul=onednn")
+    with pytest.raises(ConfigError, match=r"rollout\.decode_matmul=onednn: oneDNN has no "
+                                          r"bfloat16 kernels on this CPU"):
+        Trainer(cfg, reward_fns=[char_codes]).setup()
+
+
 @pytest.mark.parametrize("mode", ["decoupled", "rollout"])
 def test_pi_old_forms(tmp_path, mode):
     """decoupled: π_old recomputed for the ratio, π_rollout only in the correction; rollout
