@@ -14,12 +14,11 @@ from typing import Any
 import torch
 
 from gspo.config import ConfigError
-from gspo.models.decode import packable, unsupported
 from gspo.models.tokens import eos_ids
 from gspo.models.twin import meta_twin
 from gspo.rollout.batch import Rollout
 from gspo.rollout.engine import ENGINES, EngineCapabilities, EngineOptions
-from gspo.rollout.sampler import SamplingParams, generate
+from gspo.rollout.sampler import SamplingParams, generate, onednn_refusal
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}  # rollout.precision -> the copy's dtype
 
@@ -71,9 +70,7 @@ class HFEngine:
         self.opts = opts
         self.model = model if dtype is None else low_precision_copy(model, dtype)
         # refused here, at the start, rather than at the first rollout (the sampler's check)
-        if (opts.decode_matmul == "onednn" and opts.fast_decode
-                and unsupported(self.model) is None
-                and (why := packable(self.model, bf16=True)) is not None):
+        if (why := onednn_refusal(self.model, opts.decode_matmul, opts.fast_decode)) is not None:
             raise ConfigError(f"rollout.decode_matmul=onednn: {why}")
         self.eos, self.pad_id = eos_ids(model, tokenizer), tokenizer.pad_token_id
         self.capabilities = self.declared_capabilities(opts)

@@ -273,7 +273,7 @@ def generate(model: Any, prompts: list[list[int]], *, group_size: int, params: S
     # decided before the routing log hooks the routers (the lean passes call an MoE block as
     # its own module, so those hooks fire there too; hooks elsewhere would be bypassed)
     lean = fast_decode and unsupported(model) is None
-    if lean and decode_matmul == "onednn" and (why := packable(model, bf16=True)) is not None:
+    if (why := onednn_refusal(model, decode_matmul, fast_decode)) is not None:
         raise ValueError(f"decode_matmul=onednn: {why}")
     log = (_RoutingLog(model, [len(p) for p in prompts], group_size, params.max_new_tokens)
            if record_routing else None)
@@ -294,6 +294,14 @@ def generate(model: Any, prompts: list[list[int]], *, group_size: int, params: S
     if log is not None:
         roll.routing = log.layout([len(r) for r in roll.response_ids])
     return roll
+
+
+def onednn_refusal(model: Any, decode_matmul: str, fast_decode: bool = True) -> str | None:
+    """Why ``decode_matmul="onednn"`` cannot run ``model``'s decode steps (None: it can, or
+    another choice was made, or the steps run through ``forward``, which packs nothing)."""
+    if decode_matmul != "onednn" or not fast_decode or unsupported(model) is not None:
+        return None
+    return packable(model, bf16=True)
 
 
 def _lean_prefill(model: Any, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
