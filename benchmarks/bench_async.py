@@ -34,7 +34,10 @@ benchmark's, configured the same way. Arms (``--arms``), each with its thread co
   Every gspo arm also records its kernel (sys) CPU time and minor page faults a step;
 - ``async1@1+1``, ``async2@1+1``: ``rollout.async_steps=1`` / ``2``, the trainer on 1 thread and
   the engine process on 1 (``rollout.async_threads=1``): 2 cores in all; the engine also runs
-  the π_old pass (``old_logprobs=recompute`` in the async loop); ``async1@2+1``: k = 1 with the
+  the π_old pass (``old_logprobs=recompute`` in the async loop); ``async1-lend@1+1``,
+  ``async2-lend@1+1``: the same with ``rollout.async_lend_threads=true`` (while the engine has
+  sampled every batch asked of it, the trainer runs on 2 threads, its own and the engine's);
+  ``async1@2+1``: k = 1 with the
   trainer on 2 threads and the engine on 1, 3 threads on the 2 cores (the trainer gets both
   while the engine waits, shares them while it samples); its FLOP limit is the 2-thread one;
   ``async1-remote@1+1``: ``async1@1+1`` with the engine started by ``gspo engine`` in a
@@ -73,6 +76,7 @@ reach here.
 from __future__ import annotations
 
 import argparse
+import re
 import subprocess
 import sys
 import time
@@ -131,6 +135,12 @@ ARMS: dict[str, tuple[str, int, int, list[str]]] = {
     "sync-bf16blas@2": ("gspo", 2, 0, ["rollout.precision=bf16", "rollout.decode_matmul=blas"]),
     "async1@1+1": ("gspo", 1, 1, ["rollout.async_steps=1", "rollout.async_threads=1"]),
     "async2@1+1": ("gspo", 1, 1, ["rollout.async_steps=2", "rollout.async_threads=1"]),
+    # the trainer also runs on the engine's thread while the engine has no batch to sample
+    # (rollout.async_lend_threads: 1 + 1 threads while it samples, 2 while it waits)
+    "async1-lend@1+1": ("gspo", 1, 1, ["rollout.async_steps=1", "rollout.async_threads=1",
+                                       "rollout.async_lend_threads=true"]),
+    "async2-lend@1+1": ("gspo", 1, 1, ["rollout.async_steps=2", "rollout.async_threads=1",
+                                       "rollout.async_lend_threads=true"]),
     # async1@1+1 without the trainer's diagnostic pass on this step's weights (the staleness
     # drift, async/staleness_drift_*: every step by default, logging.rollout_check_every=1)
     "async1-nocheck@1+1": ("gspo", 1, 1, ["rollout.async_steps=1", "rollout.async_threads=1",
@@ -184,6 +194,15 @@ VARIANTS = {"compile": "compile_layers", "thp": "THP_MEM_ALLOC_ENABLE=1",
             "twopass": "two passes (prompts, then responses; the packing before 2026-12-06)",
             "mmblas": "matmul=blas (the lean passes' products through MKL, as before "
                       "2026-12-06)"}
+
+
+def pipeline_depth(arm: str) -> int:
+    """k of an async arm (0 for the others): a child's last k steps are left out of its
+    timings. The pipeline drains there (their batches were all asked for before): the engine
+    waits from its last batch on, an idle engine that the trainer's steps would not otherwise
+    have (with ``rollout.async_lend_threads`` it would run them on both cores)."""
+    m = re.match(r"async(\d+)", arm)
+    return int(m.group(1)) if m else 0
 
 
 def total_threads(arm: str) -> int:
@@ -332,7 +351,9 @@ def summarize(results: list[dict[str, Any]], warmup: int, flops: dict[str, float
               limit: dict[str, float], tokens: int = 32) -> dict[str, Any]:
     arms: dict[str, dict[str, float]] = {}
     for arm in dict.fromkeys(r["arm"] for r in results):
-        steps = [s for r in results if r["arm"] == arm for s in r["steps"][warmup:]]
+        drain = pipeline_depth(arm)
+        steps = [s for r in results if r["arm"] == arm
+                 for s in r["steps"][warmup:len(r["steps"]) - drain]]
         step = [s["step_s"] for s in steps]
         roll = [s["rollout_s"] for s in steps]
         cores = total_threads(arm)
@@ -342,7 +363,7 @@ def summarize(results: list[dict[str, Any]], warmup: int, flops: dict[str, float
              "peak_rss_mb": max(r["peak_rss_mb"] for r in results if r["arm"] == arm),
              "n_steps": len(steps)}
         for key in ("old_logprobs_s", "sys_cpu_s", "minor_faults", "engine_s", "publish_s",
-                    "publish_send_s"):
+                    "publish_send_s", "lent_s"):
             if key in steps[0]:
                 s[key] = median([x[key] for x in steps])
         syncs = [x["engine_sync_s"] for x in steps if x.get("engine_sync_s", 0) > 0]
@@ -429,6 +450,10 @@ def table(model: str, summary: dict[str, Any], flops: dict[str, float],
     if engine:  # the engine process's time on a batch, off the trainer's path
         rows.append("Engine process per batch (medians over the steps counted): "
                     + "; ".join(engine))
+    lent = [f"{arm} {s['lent_s']:.2f} s" for arm, s in summary["arms"].items() if "lent_s" in s]
+    if lent:  # rollout.async_lend_threads: the trainer on both cores while the engine waits
+        rows.append("Trainer time a step on the engine's lent thread (medians): "
+                    + "; ".join(lent))
     sends = [f"{arm} {s['publish_s']:.2f} s (broadcast {s['publish_send_s']:.2f} s)"
              for arm, s in summary["arms"].items() if "publish_send_s" in s]
     if sends:  # the publish to an engine started elsewhere

@@ -151,6 +151,11 @@ class RolloutConfig:
         "(see gspo.trainer.async_rollout)")
     async_threads: int = _f(1, "async_steps > 0: torch threads of the engine process (the "
                             "trainer keeps num_threads; on 2 cores use num_threads=1)")
+    async_lend_threads: bool = _f(
+        False, "async_steps > 0, engines spawned here: while the engines have sampled every "
+        "batch asked of them, the trainer also runs on their async_threads (polled between "
+        "layers; results as on its own threads where the kernels do not depend on the thread "
+        "count, see gspo.trainer.async_rollout.ThreadLending)")
     async_engines: int = _f(
         1, "async_steps > 0: engines per trainer process, each sampling a share of its prompts "
         "(each with async_threads threads; weights published to every one)")
@@ -582,6 +587,11 @@ def validate(cfg: TrainConfig) -> None:
     _check(r.async_threads >= 1, "rollout.async_threads must be >= 1")
     _check(r.async_steps > 0 or r.async_threads == 1,
            "rollout.async_threads is used only with rollout.async_steps > 0")
+    _check(r.async_steps > 0 or not r.async_lend_threads,
+           "rollout.async_lend_threads is used only with rollout.async_steps > 0")
+    _check(not (r.async_lend_threads and r.async_address),
+           "rollout.async_lend_threads: engines started with `gspo engine` "
+           "(rollout.async_address) run on their own cores, not the trainer's")
     _check(r.async_engines >= 1, "rollout.async_engines must be >= 1")
     _check(r.async_steps > 0 or r.async_engines == 1,
            "rollout.async_engines is used only with rollout.async_steps > 0")

@@ -39,6 +39,41 @@ from gspo.models.decode import _rope, _signed, rope_adapts, sparse_block, unsupp
 Linear = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
 
+# Callables that every lean pass calls between its layers, forward and backward (see
+# :func:`at_layer_boundaries`).
+_BOUNDARY: list[Callable[[], None]] = []
+
+
+@contextlib.contextmanager
+def at_layer_boundaries(fn: Callable[[], None]) -> Any:
+    """Call ``fn()`` between the layers of every lean pass run in this block: before each layer
+    of the forward and, under autograd, after each layer's backward (a hook on the layer's input,
+    on the thread that runs the backward; a backward run after the block calls nothing). The
+    arithmetic is untouched. What calls it: the trainer's thread lending
+    (``rollout.async_lend_threads``), which changes its torch threads there."""
+    _BOUNDARY.append(fn)
+    try:
+        yield
+    finally:
+        _BOUNDARY.remove(fn)
+
+
+def _boundary(x: torch.Tensor) -> torch.Tensor:
+    """The point between two layers (:func:`at_layer_boundaries`); ``x``, the next layer's
+    input, as it was."""
+    if _BOUNDARY:
+        for fn in tuple(_BOUNDARY):
+            fn()
+        if x.requires_grad:
+            x.register_hook(_boundary_backward)
+    return x
+
+
+def _boundary_backward(grad: torch.Tensor) -> None:
+    for fn in tuple(_BOUNDARY):
+        fn()
+
+
 def lean_unsupported(model: Any) -> str | None:
     """Why :func:`lean_hidden` cannot stand in for ``model``'s backbone (None when it can):
     :func:`gspo.models.decode.unsupported`, gradient checkpointing, attention dropout."""
@@ -112,7 +147,8 @@ def lean_hidden(backbone: Any, input_ids: torch.Tensor, position_ids: torch.Tens
     kept = []
     step = compiled_layer() if compiled else functools.partial(lean_layer, linear=linear)
     for i, layer in enumerate(backbone.layers):
-        x, k, v = step(layer, x, cos, sin, bias, *(past[i] if past is not None else (None, None)))
+        x, k, v = step(layer, _boundary(x), cos, sin, bias,
+                       *(past[i] if past is not None else (None, None)))
         if keep_kv:
             kept.append((k, v))
     return backbone.norm(x), kept
@@ -188,7 +224,7 @@ def lean_joint_hidden(backbone: Any, prompt_ids: torch.Tensor, prompt_pos: torch
     cos, sin = cos[0, :, None], _signed(sin)[0, :, None]  # [N, 1, head_dim]: over heads
     step = compiled_joint_layer() if compiled else functools.partial(joint_layer, linear=linear)
     for layer in backbone.layers:
-        x = step(layer, x, cos, sin, (p, w), prompt_bias, (b, s), bias, owner)
+        x = step(layer, _boundary(x), cos, sin, (p, w), prompt_bias, (b, s), bias, owner)
     x = backbone.norm(x)
     return x[:p * w].view(p, w, -1), x[p * w:].view(b, s, -1)
 

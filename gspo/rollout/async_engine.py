@@ -471,12 +471,18 @@ def run_engine(skeleton: bytes, entries: list[_Entry], slots: list[dict[str, tor
 def _engine_main(skeleton: bytes, entries: list[_Entry], slots: list[dict[str, torch.Tensor]],
                  slot_versions: torch.Tensor, tokenizer: Any, engine: str, opts: EngineOptions,
                  threads: int, recompute: Recompute, requests: Any, results: Any,
-                 device: torch.device, turns: Any, changing: list[int] | None) -> None:
+                 device: torch.device, turns: Any, changing: list[int] | None,
+                 finished: torch.Tensor) -> None:
     """The engine process on this machine: slots in shared memory, requests and batches
-    through queues."""
+    through queues; ``finished`` (shared) counts the requests it is done with."""
+    def put(kind: str, payload: Any) -> None:
+        if kind != "ready":
+            finished.add_(1)
+        results.put((kind, payload))
+
     run_engine(skeleton, entries, slots, lambda slot, _: int(slot_versions[slot]), tokenizer,
-               engine, opts, threads, recompute, lambda: _next_request(requests),
-               lambda kind, payload: results.put((kind, payload)), device, turns, changing)
+               engine, opts, threads, recompute, lambda: _next_request(requests), put, device,
+               turns, changing)
 
 
 def fill_slot(slot: dict[str, torch.Tensor], entries: list[_Entry], unique: list[int],
@@ -536,6 +542,9 @@ class AsyncEngine:
         self.slot_versions = torch.full((len(self.slots),), -1, dtype=torch.long).share_memory_()
         self.bytes_per_slot = sum(t.numel() * t.element_size() for t in self.slots[0].values())
         self.last_publish_bytes = 0
+        self.threads = threads
+        # requests asked for / finished by the engine process (it counts them in shared memory)
+        self.submitted, self.finished = 0, torch.zeros(1, dtype=torch.long).share_memory_()
         self.publish(model, version)
         ctx = mp.get_context("spawn")  # fork would copy this process's threads and locks
         self.requests, self.results = ctx.Queue(), ctx.Queue()
@@ -544,7 +553,7 @@ class AsyncEngine:
             args=(_skeleton(model), self.entries, self.slots, self.slot_versions, tokenizer,
                   engine, opts, threads, recompute, self.requests, self.results,
                   device if device is not None else torch.device("cpu"), turns,
-                  self._changing))
+                  self._changing, self.finished))
         self.proc.start()
         kind, payload = self._get(startup_timeout_s)
         if kind != "ready":
@@ -569,7 +578,13 @@ class AsyncEngine:
         """Nothing to wait for: :meth:`publish` returns once the slot holds the version."""
 
     def submit(self, req: Request) -> None:
+        self.submitted += 1
         self.requests.put(req)
+
+    def idle(self) -> bool:
+        """Whether the engine process has finished every request asked of it so far (it then
+        waits for the next, and its ``threads`` cores are free)."""
+        return int(self.finished) == self.submitted
 
     def take(self, timeout_s: float = 3600.0) -> tuple[int, dict[str, Any]]:
         """The next finished batch, in submission order: (step, encoded rollout)."""

@@ -31,6 +31,7 @@ routing, which R2 replays; :func:`staleness_routing_metrics` measures how far st
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -81,6 +82,13 @@ class _Engines:
         for engine, share in zip(self.engines, split_request(req, len(self.engines))):
             engine.submit(share)
 
+    def idle(self) -> bool:
+        return all(e.idle() for e in self.engines)
+
+    @property
+    def threads(self) -> int:
+        return sum(e.threads for e in self.engines)
+
     def take(self) -> tuple[int, dict[str, Any]]:
         parts = [e.take() for e in self.engines]
         return parts[0][0], merge_encoded([enc for _, enc in parts])
@@ -96,6 +104,53 @@ class _Engines:
             raise errors[0]
 
 
+class ThreadLending:
+    """``rollout.async_lend_threads``: the trainer borrows the engine processes' cores while
+    they are idle.
+
+    With the engine on its own cores, the trainer runs on ``own`` torch threads; but once the
+    engine has sampled every batch asked of it, it waits for the trainer's next step, and its
+    ``lent`` cores would sit idle (on 2 cores at k >= 1, SmolLM2's engine works ~2.5 s of a
+    ~3.9 s step). :meth:`poll`, called at the trainer's natural breaks (between the layers of
+    its passes, forward and backward, before each optimizer step, and after asking the engine
+    for a batch), sets ``own + lent`` threads while the engine is idle and ``own`` while it
+    samples. Only the thread count changes, never the arithmetic's order, on kernels whose
+    results do not depend on it: measured bit for bit on this machine type
+    (``tests/trainer/test_async.py``), but not promised by torch for every kernel and CPU, which
+    is why it is off by default."""
+
+    def __init__(self, own: int, lent: int, idle: Callable[[], bool]) -> None:
+        self.own, self.lent, self.idle = own, lent, idle
+        self.current = own
+        self.since = time.perf_counter()
+        self.lent_s = 0.0  # seconds on own + lent threads since the last take_lent_s
+
+    def poll(self) -> None:
+        want = self.own + self.lent if self.idle() else self.own
+        if want != self.current:
+            self._account()
+            torch.set_num_threads(want)
+            self.current = want
+
+    def _account(self) -> None:
+        now = time.perf_counter()
+        if self.current != self.own:
+            self.lent_s += now - self.since
+        self.since = now
+
+    def take_lent_s(self) -> float:
+        """Seconds the trainer ran on the lent threads since the last call."""
+        self._account()
+        out, self.lent_s = self.lent_s, 0.0
+        return out
+
+    def restore(self) -> None:
+        """Back to the trainer's own threads."""
+        self._account()
+        torch.set_num_threads(self.own)
+        self.current = self.own
+
+
 class AsyncRollout:
     """Asks the engine process for batches ahead, hands them out in step order, publishes
     weights, and carries the in-flight batches through checkpoints."""
@@ -106,7 +161,7 @@ class AsyncRollout:
                  logprob_fn: Callable[..., Any], temperature: float, chunk: int,
                  pad_id: int, device: torch.device | None = None,
                  routing: bool = False, addresses: tuple[str, ...] = (),
-                 engines: int = 1, turns: Any = None) -> None:
+                 engines: int = 1, turns: Any = None, lend_threads: bool = False) -> None:
         """``draw(step)``: the step's prompts from the task (called once per step, in order);
         ``check(step)``: whether the engine process also runs the trainer's log-prob pass on
         that step's batch (every step for ``old_logprobs=recompute``). ``device``: where the
@@ -116,7 +171,9 @@ class AsyncRollout:
         prompts. ``addresses`` (one per engine): meet engines started with
         ``gspo engine ADDRESS`` there (:class:`gspo.rollout.remote_engine.RemoteEngine`)
         instead of spawning them here. ``turns`` (``rollout.max_turns > 1``): the engines
-        sample multi-turn episodes, each request carrying its prompts' examples."""
+        sample multi-turn episodes, each request carrying its prompts' examples.
+        ``lend_threads``: the trainer borrows the engines' threads while they are idle
+        (:class:`ThreadLending`; engines spawned here only)."""
         self.k, self.total, self.draw, self.check = k, total_steps, draw, check
         self.engine_name, self.opts, self.threads = engine, opts, threads
         self.addresses, self.n_engines, self.turns = addresses, engines, turns
@@ -128,6 +185,12 @@ class AsyncRollout:
         # by request key: a step (its pipeline batch), or (step, draw) for an extra draw
         self.inflight: dict[int | tuple[int, int], list[Example]] = {}
         self.ready: dict[int | tuple[int, int], tuple[list[Example], dict[str, Any]]] = {}
+        if lend_threads and addresses:
+            raise ConfigError("rollout.async_lend_threads: the engines started with gspo engine "
+                              "(rollout.async_address) run on their own cores, not this "
+                              "trainer's")
+        self.lend_threads = lend_threads
+        self.lending: ThreadLending | None = None
 
     def start(self, model: Any, tokenizer: Any, *, version: int) -> None:
         """Start the engine process on ``model``'s weights, policy version ``version``."""
@@ -149,6 +212,14 @@ class AsyncRollout:
             _Engines(started).close()
             raise
         self.engine = started[0] if len(started) == 1 else _Engines(started)
+        if self.lend_threads:
+            self.lending = ThreadLending(torch.get_num_threads(), self.engine.threads,
+                                         self.engine.idle)
+
+    def poll_threads(self) -> None:
+        """The trainer's threads for now (:class:`ThreadLending`; nothing without lending)."""
+        if self.lending is not None:
+            self.lending.poll()
 
     def _fill(self, step: int) -> None:
         for b in range(self.submitted, min(step + self.k, self.total - 1) + 1):
@@ -168,6 +239,7 @@ class AsyncRollout:
                                   examples=examples if self.turns is not None else None)
         self.engine.submit(req)
         self.inflight[req.key] = examples
+        self.poll_threads()  # the engine samples now: back to the trainer's own threads
 
     def _take_one(self) -> None:
         key, enc = self.engine.take()
@@ -243,6 +315,8 @@ class AsyncRollout:
                       for s, v in per_rank[rank].items()}
 
     def close(self) -> None:
+        if self.lending is not None:
+            self.lending.restore()
         if self.engine is not None:
             self.engine.close()
 

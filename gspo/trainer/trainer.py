@@ -9,6 +9,7 @@ same phase methods.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -31,6 +32,7 @@ from gspo.data.hf import task_from_records
 from gspo.models import load_model, token_logprobs
 from gspo.models.decode import packable
 from gspo.models.lean_forward import (
+    at_layer_boundaries,
     compile_unsupported,
     inference_safe,
     lean_unsupported,
@@ -248,6 +250,9 @@ class Trainer:
             self.hooks.param_groups(self.model, cfg.optim.lr), lr=cfg.optim.lr,
             betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay,
             fused=cfg.optim.fused and not self._fsdp2)
+        if cfg.rollout.async_lend_threads:  # thread lending polls before every AdamW step
+            self.optimizer.register_step_pre_hook(
+                lambda *_: self.async_rollout.poll_threads())
         total = cfg.steps * cfg.objective.num_minibatches * cfg.objective.epochs
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(cfg, total))
         if cfg.objective.num_minibatches == 1 and cfg.objective.epochs == 1:
@@ -395,7 +400,7 @@ class Trainer:
             temperature=cfg.rollout.temperature, chunk=cfg.logprob_chunk, pad_id=self.pad_id,
             device=self.dist.device, routing=self.hooks.active,
             addresses=tuple(mine),
-            engines=n, turns=self.turns)
+            engines=n, turns=self.turns, lend_threads=cfg.rollout.async_lend_threads)
 
     def _behaviour_routing(self) -> bool:
         """Whether π_old's expert choices (what R2 replays, what ``moe/routing_change``
@@ -775,6 +780,17 @@ class Trainer:
         self.engine_current = self.async_rollout is None  # async: synced on its first use
         with timer("rollout"):
             examples, roll = self.rollout()
+        lending = self.async_rollout.lending if self.async_rollout is not None else None
+        with (at_layer_boundaries(self.async_rollout.poll_threads) if lending is not None
+              else contextlib.nullcontext()):
+            metrics = self._learn(timer, examples, roll)
+        if lending is not None:
+            metrics["async/lent_threads_s"] = lending.take_lent_s()
+        return metrics
+
+    def _learn(self, timer: PhaseTimer, examples: list[Any], roll: Rollout
+               ) -> dict[str, float]:
+        """The step after its rollout: rewards, π_old, the update, the weights published."""
         with timer("reward"):
             rewards, reward_metrics = self.score(examples, roll)  # the global batch's
         sampling: dict[str, float] = {}
@@ -796,6 +812,7 @@ class Trainer:
                                                "response_mask": batch.response_mask})[0]
         published: dict[str, float] = {}
         if self.async_rollout is not None:  # version step+1, for the batch of step+1+k
+            self.async_rollout.poll_threads()
             with timer("weight_sync"), self.dist.full_weights(self.model):
                 self.async_rollout.publish(self.model, self.step + 1)
             published = max_over_ranks(self.async_rollout.publish_metrics(), self.dist)

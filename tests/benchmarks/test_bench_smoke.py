@@ -156,7 +156,8 @@ def test_async_benchmark_arms_flops_and_summary(tmp_path):
     # 3 threads on 2 cores: measured against the 2-thread limit
     over = summary["arms"]["async1@2+1"]
     assert over["threads"] == 3 and 0 < over["frac_of_limit"] < float("inf")
-    assert summary["arms"]["async1-remote@1+1"]["n_steps"] == 2  # its engine: `gspo engine`
+    # its engine: `gspo engine`; of its 2 steps the last (the pipeline draining) is left out
+    assert summary["arms"]["async1-remote@1+1"]["n_steps"] == 1
     assert set(summary["thread_scaling"]) >= {"step_s", "rollout_s", "update_s"}
     assert "async1@1+1 vs sync@1" in summary["async_vs_bound"]
     text = (tmp_path / "async_tiny-llama.md").read_text()
@@ -350,3 +351,28 @@ def test_step_bound_takes_the_longer_of_the_rollouts_flops_and_its_weight_reads(
     assert fast["rollout_s"] == pytest.approx(0.1)  # FLOP-bound: 2 GFLOP at the 2-thread 20
     s = bench_async.summarize([_arm("sync@1", 5.6, 4.0)], 0, flops, limit, tokens=5)
     assert s["bound"]["sync@1"]["step_over_bound"] == pytest.approx(2.0)
+
+
+def test_async_summary_leaves_out_the_draining_steps_and_states_lent_time():
+    """An async arm's last k steps of each child (nothing left to sample: the engine waits)
+    are not counted; the lending arms' trainer time on the engine's thread is stated."""
+    from benchmarks import bench_async
+
+    def child(arm, times):
+        return {"arm": arm, "peak_rss_mb": 1.0, "steps": [
+            {"step_s": t, "rollout_s": 0.0, "response_tokens": 8, "lent_s": t / 4}
+            for t in times]}
+
+    assert bench_async.ARMS["async2-lend@1+1"][3][-1] == "rollout.async_lend_threads=true"
+    s = bench_async.summarize([child("async1-lend@1+1", [9.0, 4.0, 4.0, 2.0]),
+                               child("async2-lend@1+1", [9.0, 4.0, 2.0, 2.0]),
+                               child("sync@2", [9.0, 3.0, 3.0, 3.0])], 1, {"total": 1e9},
+                              {"1": 1.0, "2": 2.0})
+    assert s["arms"]["async1-lend@1+1"]["n_steps"] == 2
+    assert s["arms"]["async1-lend@1+1"]["step_s"] == 4.0
+    assert s["arms"]["async2-lend@1+1"]["n_steps"] == 1
+    assert s["arms"]["sync@2"]["n_steps"] == 3
+    _, rows = bench_async.table("m", s, {"total": 1e9, "rollout": 1, "old_logprobs": 1,
+                                        "update": 1}, {"1": 1.0, "2": 2.0})
+    assert any(r.startswith("Trainer time a step on the engine's lent thread (medians): "
+                            "async1-lend@1+1 1.00 s") for r in rows)

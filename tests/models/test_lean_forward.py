@@ -215,3 +215,21 @@ def test_packed_lean_pass_multiplies_each_weight_once(kind, monkeypatch):
     torch.testing.assert_close(ent1, ent0, rtol=0, atol=2e-6)
     for name in g0:
         torch.testing.assert_close(g1[name], g0[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("fn", [token_logprobs, shared_prefix_logprobs])
+def test_layer_boundaries_are_called_between_layers_forward_and_backward(fn):
+    """at_layer_boundaries: the callable runs before each layer of the forward and after each
+    layer's backward (3 layers: 3 + 3), nothing outside the block, the numbers unchanged."""
+    from gspo.models.lean_forward import at_layer_boundaries
+
+    model, b = _model("llama").train(), _batch()
+    lp0, _, g0 = _run(fn, model, b, lean=True)
+    calls: list[str] = []
+    with at_layer_boundaries(  # autograd records in the forward, not in the backward
+            lambda: calls.append("forward" if torch.is_grad_enabled() else "backward")):
+        lp1, _, g1 = _run(fn, model, b, lean=True)
+    assert calls == ["forward"] * 3 + ["backward"] * 3
+    assert torch.equal(lp0, lp1) and all(torch.equal(g0[n], g1[n]) for n in g0)
+    _run(fn, model, b, lean=True)
+    assert len(calls) == 6

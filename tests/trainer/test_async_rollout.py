@@ -917,3 +917,76 @@ def test_two_engines_for_one_trainer_sample_and_train_as_one(tmp_path):
         remote = _trained(_cfg(tmp_path, "remote", *extra, "rollout.async_engines=2",
                                f"rollout.async_address={','.join(addresses)}"))
     _assert_same_run(two, remote, step=3)
+
+
+def test_lend_threads_config_errors():
+    with pytest.raises(ConfigError, match="async_lend_threads is used only with"):
+        load_config(None, ["rollout.async_lend_threads=true"])
+    with pytest.raises(ConfigError, match="async_lend_threads: engines started with"):
+        load_config(None, ["rollout.async_steps=1", "rollout.async_lend_threads=true",
+                           "rollout.async_address=tcp://127.0.0.1:29500"])
+    load_config(None, ["rollout.async_steps=1", "rollout.async_lend_threads=true"])
+
+
+def test_thread_lending_follows_the_engine_and_counts_its_time(monkeypatch):
+    """ThreadLending: own + lent threads while the engine is idle, own while it samples; a
+    change only when the wanted count changes; the time on lent threads accounted; restore
+    gives the own threads back."""
+    from gspo.trainer import async_rollout
+
+    calls: list[int] = []
+    monkeypatch.setattr(async_rollout.torch, "set_num_threads", calls.append)
+    clock = iter([0.0, 1.0, 3.5, 4.0, 6.0, 7.0, 8.0])
+    monkeypatch.setattr(async_rollout.time, "perf_counter", lambda: next(clock))
+    idle = [False]
+    lend = async_rollout.ThreadLending(1, 2, lambda: idle[0])  # t = 0
+    lend.poll()
+    assert calls == []  # busy engine, own threads already
+    idle[0] = True
+    lend.poll()  # t = 1: the engine is done
+    lend.poll()
+    assert calls == [3]
+    idle[0] = False
+    lend.poll()  # t = 3.5: it samples again
+    assert calls == [3, 1]
+    assert lend.take_lent_s() == 2.5  # t = 4
+    idle[0] = True
+    lend.poll()  # t = 6
+    assert lend.take_lent_s() == 1.0  # t = 7: still lent, counted up to now
+    lend.restore()  # t = 8: t 7..8 on lent threads, accounted
+    assert calls == [3, 1, 3, 1] and lend.current == 1
+    assert lend.lent_s == 1.0
+
+
+def test_an_async_engine_counts_its_finished_requests():
+    """AsyncEngine.idle: the trainer's count of requests asked against the engine process's
+    shared count of those it finished (a batch or an error)."""
+    engine = AsyncEngine.__new__(AsyncEngine)  # its counts only, no process
+    engine.submitted, engine.finished = 0, torch.zeros(1, dtype=torch.long).share_memory_()
+
+    class Q:
+        def put(self, item):
+            pass
+
+    engine.requests = Q()
+    assert engine.idle()
+    engine.submit(None)
+    engine.submit(None)
+    assert not engine.idle()
+    engine.finished.add_(2)  # what the engine process does as it puts each result
+    assert engine.idle()
+
+
+@pytest.mark.slow
+def test_a_run_on_lent_threads_trains_to_the_same_weights(tmp_path):
+    """rollout.async_lend_threads: the trainer runs on 2 threads while the engine process
+    waits (logged), and, on this machine type's kernels, to the same weights bit for bit as
+    on its own thread."""
+    extra = ["steps=3", "rollout.async_steps=1", "save_every=1", "num_threads=1"]
+    own = _trained(_cfg(tmp_path, "own", *extra))
+    lent = _trained(_cfg(tmp_path, "lent", *extra, "rollout.async_lend_threads=true"))
+    _assert_same_run(own, lent, step=3)
+    rows = _rows(lent)
+    assert all(r["async/lent_threads_s"] > 0 for r in rows)
+    assert torch.get_num_threads() == 1  # given back when the pipeline closed
+    assert not any("async/lent_threads_s" in r for r in _rows(own))
