@@ -37,6 +37,7 @@ benchmark's, configured the same way. Arms (``--arms``), each with its thread co
   the π_old pass (``old_logprobs=recompute`` in the async loop); ``async1-lend@1+1``,
   ``async2-lend@1+1``: the same with ``rollout.async_lend_threads=true`` (while the engine has
   sampled every batch asked of it, the trainer runs on 2 threads, its own and the engine's);
+  ``async1-lend-nocheck@1+1``: that with ``logging.rollout_check_every=0``;
   ``async1@2+1``: k = 1 with the
   trainer on 2 threads and the engine on 1, 3 threads on the 2 cores (the trainer gets both
   while the engine waits, shares them while it samples); its FLOP limit is the 2-thread one;
@@ -141,6 +142,10 @@ ARMS: dict[str, tuple[str, int, int, list[str]]] = {
                                        "rollout.async_lend_threads=true"]),
     "async2-lend@1+1": ("gspo", 1, 1, ["rollout.async_steps=2", "rollout.async_threads=1",
                                        "rollout.async_lend_threads=true"]),
+    # async1-lend@1+1 without the trainer's per-step pass for the staleness-drift metrics
+    "async1-lend-nocheck@1+1": ("gspo", 1, 1, ["rollout.async_steps=1", "rollout.async_threads=1",
+                                               "rollout.async_lend_threads=true",
+                                               "logging.rollout_check_every=0"]),
     # async1@1+1 without the trainer's diagnostic pass on this step's weights (the staleness
     # drift, async/staleness_drift_*: every step by default, logging.rollout_check_every=1)
     "async1-nocheck@1+1": ("gspo", 1, 1, ["rollout.async_steps=1", "rollout.async_threads=1",
