@@ -155,7 +155,8 @@ class RolloutConfig:
         False, "async_steps > 0, engines spawned here: while the engines have sampled every "
         "batch asked of them, the trainer also runs on their async_threads (polled between "
         "layers; results as on its own threads where the kernels do not depend on the thread "
-        "count, see gspo.trainer.async_rollout.ThreadLending)")
+        "count: scripts/thread_invariance.py checks a model; see "
+        "gspo.trainer.async_rollout.ThreadLending)")
     async_engines: int = _f(
         1, "async_steps > 0: engines per trainer process, each sampling a share of its prompts "
         "(each with async_threads threads; weights published to every one)")

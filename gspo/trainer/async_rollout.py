@@ -116,8 +116,9 @@ class ThreadLending:
     for a batch), sets ``own + lent`` threads while the engine is idle and ``own`` while it
     samples. Only the thread count changes, never the arithmetic's order, on kernels whose
     results do not depend on it: measured bit for bit on this machine type
-    (``tests/trainer/test_async.py``), but not promised by torch for every kernel and CPU, which
-    is why it is off by default."""
+    (``tests/trainer/test_async_rollout.py``; ``scripts/thread_invariance.py`` checks a model
+    on a machine), but not promised by torch for every kernel and CPU, which is why it is off
+    by default."""
 
     def __init__(self, own: int, lent: int, idle: Callable[[], bool]) -> None:
         self.own, self.lent, self.idle = own, lent, idle
