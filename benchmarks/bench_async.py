@@ -37,7 +37,10 @@ benchmark's, configured the same way. Arms (``--arms``), each with its thread co
   the π_old pass (``old_logprobs=recompute`` in the async loop); ``async1-lend@1+1``,
   ``async2-lend@1+1``: the same with ``rollout.async_lend_threads=true`` (while the engine has
   sampled every batch asked of it, the trainer runs on 2 threads, its own and the engine's);
-  ``async1-lend-nocheck@1+1``: that with ``logging.rollout_check_every=0``;
+  ``async1-lend-nocheck@1+1``: that with ``logging.rollout_check_every=0``; with lending the
+  engine also runs on the trainer's thread while the trainer waits for a batch (the first
+  step; every step where sampling is the longer side, e.g. few rows: ``--prompts-per-step 1
+  --group-size 4 --max-new-tokens 64``);
   ``async1@2+1``: k = 1 with the
   trainer on 2 threads and the engine on 1, 3 threads on the 2 cores (the trainer gets both
   while the engine waits, shares them while it samples); its FLOP limit is the 2-thread one;
@@ -368,7 +371,7 @@ def summarize(results: list[dict[str, Any]], warmup: int, flops: dict[str, float
              "peak_rss_mb": max(r["peak_rss_mb"] for r in results if r["arm"] == arm),
              "n_steps": len(steps)}
         for key in ("old_logprobs_s", "sys_cpu_s", "minor_faults", "engine_s", "publish_s",
-                    "publish_send_s", "lent_s"):
+                    "publish_send_s", "lent_s", "borrowed_s"):
             if key in steps[0]:
                 s[key] = median([x[key] for x in steps])
         syncs = [x["engine_sync_s"] for x in steps if x.get("engine_sync_s", 0) > 0]
@@ -459,6 +462,11 @@ def table(model: str, summary: dict[str, Any], flops: dict[str, float],
     if lent:  # rollout.async_lend_threads: the trainer on both cores while the engine waits
         rows.append("Trainer time a step on the engine's lent thread (medians): "
                     + "; ".join(lent))
+    borrowed = [f"{arm} {s['borrowed_s']:.2f} s" for arm, s in summary["arms"].items()
+                if "borrowed_s" in s]
+    if borrowed:  # and the engine on the trainer's threads while the trainer waits
+        rows.append("Engine time a batch on the trainer's lent thread (medians): "
+                    + "; ".join(borrowed))
     sends = [f"{arm} {s['publish_s']:.2f} s (broadcast {s['publish_send_s']:.2f} s)"
              for arm, s in summary["arms"].items() if "publish_send_s" in s]
     if sends:  # the publish to an engine started elsewhere

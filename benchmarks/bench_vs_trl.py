@@ -77,11 +77,11 @@ def _timed(fn: Any, into: list[tuple[float, float]]) -> Any:
 def _engine_side(m: dict[str, float]) -> dict[str, float]:
     """An async step's engine-process seconds (its batch, and the sync of its own weight copy
     within that) and its publish (the trainer's share; the broadcast to an engine started
-    elsewhere), and the trainer's seconds on the engine's lent threads, where the metrics have
-    them."""
+    elsewhere), and with thread lending the trainer's seconds on the engine's threads and the
+    engine's on the trainer's, where the metrics have them."""
     keys = {"time/rollout_engine_s": "engine_s", "async/engine_sync_s": "engine_sync_s",
             "time/weight_sync_s": "publish_s", "time/publish_send_s": "publish_send_s",
-            "async/lent_threads_s": "lent_s"}
+            "async/lent_threads_s": "lent_s", "async/engine_borrowed_s": "borrowed_s"}
     return {short: m[k] for k, short in keys.items() if k in m}
 
 

@@ -153,10 +153,11 @@ class RolloutConfig:
                             "trainer keeps num_threads; on 2 cores use num_threads=1)")
     async_lend_threads: bool = _f(
         False, "async_steps > 0, engines spawned here: while the engines have sampled every "
-        "batch asked of them, the trainer also runs on their async_threads (polled between "
-        "layers; results as on its own threads where the kernels do not depend on the thread "
-        "count: scripts/thread_invariance.py checks a model; see "
-        "gspo.trainer.async_rollout.ThreadLending)")
+        "batch asked of them, the trainer also runs on their async_threads, and while the "
+        "trainer waits for a batch, its one engine on the trainer's num_threads (polled between "
+        "layers and decode steps; results as on their own threads where the kernels do not "
+        "depend on the thread count: scripts/thread_invariance.py checks a model; see "
+        "gspo.rollout.async_engine.ThreadLending)")
     async_engines: int = _f(
         1, "async_steps > 0: engines per trainer process, each sampling a share of its prompts "
         "(each with async_threads threads; weights published to every one)")

@@ -48,9 +48,10 @@ _BOUNDARY: list[Callable[[], None]] = []
 def at_layer_boundaries(fn: Callable[[], None]) -> Any:
     """Call ``fn()`` between the layers of every lean pass run in this block: before each layer
     of the forward and, under autograd, after each layer's backward (a hook on the layer's input,
-    on the thread that runs the backward; a backward run after the block calls nothing). The
-    arithmetic is untouched. What calls it: the trainer's thread lending
-    (``rollout.async_lend_threads``), which changes its torch threads there."""
+    on the thread that runs the backward; a backward run after the block calls nothing); and
+    before each decode step of :func:`gspo.rollout.sampler.generate`. The arithmetic is
+    untouched. What calls it: thread lending (``rollout.async_lend_threads``), which changes
+    the process's torch threads there."""
     _BOUNDARY.append(fn)
     try:
         yield
@@ -58,20 +59,25 @@ def at_layer_boundaries(fn: Callable[[], None]) -> Any:
         _BOUNDARY.remove(fn)
 
 
+def at_boundary() -> None:
+    """Call what :func:`at_layer_boundaries` registered (nothing outside its block): the
+    lean passes between layers, the sampler before each decode step."""
+    for fn in tuple(_BOUNDARY):
+        fn()
+
+
 def _boundary(x: torch.Tensor) -> torch.Tensor:
     """The point between two layers (:func:`at_layer_boundaries`); ``x``, the next layer's
     input, as it was."""
     if _BOUNDARY:
-        for fn in tuple(_BOUNDARY):
-            fn()
+        at_boundary()
         if x.requires_grad:
             x.register_hook(_boundary_backward)
     return x
 
 
 def _boundary_backward(grad: torch.Tensor) -> None:
-    for fn in tuple(_BOUNDARY):
-        fn()
+    at_boundary()
 
 
 def lean_unsupported(model: Any) -> str | None:

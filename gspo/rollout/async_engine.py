@@ -51,6 +51,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+from gspo.models.lean_forward import at_layer_boundaries
 from gspo.models.lora import is_peft
 from gspo.models.moe import capture_routing
 from gspo.models.twin import meta_twin
@@ -418,8 +419,8 @@ def run_engine(skeleton: bytes, entries: list[_Entry], slots: list[dict[str, tor
                slot_version: Callable[[int, int | None], int], tokenizer: Any, engine: str,
                opts: EngineOptions, threads: int, recompute: Recompute,
                next_request: Callable[[], Request | None], put: Callable[[str, Any], None],
-               device: torch.device, turns: Any = None, changing: list[int] | None = None
-               ) -> None:
+               device: torch.device, turns: Any = None, changing: list[int] | None = None,
+               lending: ThreadLending | None = None) -> None:
     """The engine's loop, wherever its weights and requests come from: one model per slot (on
     the CPU) or one device model loaded from the slot a batch needs (GPU), then batches in the
     order they were asked, each ``put("batch", (request key, encoded rollout))``; any failure is
@@ -428,7 +429,9 @@ def run_engine(skeleton: bytes, entries: list[_Entry], slots: list[dict[str, tor
     ``turns`` (a :class:`gspo.rollout.multiturn.TurnLoop`): requests that carry their examples
     are sampled as multi-turn episodes, their environments here in the engine process.
     ``changing`` (:func:`changing`, a LoRA policy's adapter): all a GPU model's loads after its
-    first copy (:class:`_DeviceModel`)."""
+    first copy (:class:`_DeviceModel`). ``lending``: the trainer's threads while it waits for
+    a batch (:class:`ThreadLending`; its seconds on them in each batch's
+    ``async/engine_borrowed_s``)."""
     try:
         torch.set_num_threads(threads)
         on_device = None
@@ -450,14 +453,22 @@ def run_engine(skeleton: bytes, entries: list[_Entry], slots: list[dict[str, tor
                 start = time.perf_counter()
                 load_s = on_device.load(slots[slot], req.version) if on_device else 0.0
                 engine_now = sampler.engine_for(slot, req.version)
-                if turns is not None and req.examples is not None:
-                    roll = turns.run(engine_sampler(engine_now, req.params), req.examples,
-                                     req.prompts, req.seeds, req.group_size)
-                else:
-                    roll = engine_now.generate(req.prompts, group_size=req.group_size,
-                                               params=req.params, seeds=req.seeds)
-                tlp, routing = (trainer_pass(models[slot], roll, recompute) if req.recompute
-                                else (None, None))
+                with (at_layer_boundaries(lending.poll) if lending is not None
+                      else contextlib.nullcontext()):
+                    if lending is not None:
+                        lending.poll()
+                    if turns is not None and req.examples is not None:
+                        roll = turns.run(engine_sampler(engine_now, req.params), req.examples,
+                                         req.prompts, req.seeds, req.group_size)
+                    else:
+                        roll = engine_now.generate(req.prompts, group_size=req.group_size,
+                                                   params=req.params, seeds=req.seeds)
+                    tlp, routing = (trainer_pass(models[slot], roll, recompute)
+                                    if req.recompute else (None, None))
+                if lending is not None:  # back to its own threads while it waits
+                    lending.restore()
+                    roll.extras = {**roll.extras,
+                                   "async/engine_borrowed_s": lending.take_lent_s()}
                 if slot_version(slot, None) != req.version:  # overwritten while sampling
                     raise RuntimeError(f"slot {slot} was overwritten while sampling step "
                                        f"{req.step}")
@@ -472,9 +483,11 @@ def _engine_main(skeleton: bytes, entries: list[_Entry], slots: list[dict[str, t
                  slot_versions: torch.Tensor, tokenizer: Any, engine: str, opts: EngineOptions,
                  threads: int, recompute: Recompute, requests: Any, results: Any,
                  device: torch.device, turns: Any, changing: list[int] | None,
-                 finished: torch.Tensor) -> None:
+                 finished: torch.Tensor, waiting: torch.Tensor | None, borrow: int) -> None:
     """The engine process on this machine: slots in shared memory, requests and batches
-    through queues; ``finished`` (shared) counts the requests it is done with."""
+    through queues; ``finished`` (shared) counts the requests it is done with; ``waiting``
+    (shared, with thread lending) is 1 while the trainer waits for a batch, whose ``borrow``
+    threads the engine then uses."""
     def put(kind: str, payload: Any) -> None:
         if kind != "ready":
             finished.add_(1)
@@ -482,7 +495,9 @@ def _engine_main(skeleton: bytes, entries: list[_Entry], slots: list[dict[str, t
 
     run_engine(skeleton, entries, slots, lambda slot, _: int(slot_versions[slot]), tokenizer,
                engine, opts, threads, recompute, lambda: _next_request(requests), put, device,
-               turns, changing)
+               turns, changing,
+               None if waiting is None else ThreadLending(threads, borrow,
+                                                          lambda: bool(waiting.item())))
 
 
 def fill_slot(slot: dict[str, torch.Tensor], entries: list[_Entry], unique: list[int],
@@ -523,6 +538,58 @@ def distinct(entries: list[_Entry]) -> list[int]:
     return sorted(first.values())
 
 
+class ThreadLending:
+    """``rollout.async_lend_threads``: a process borrows the other side's cores while that
+    side waits.
+
+    The trainer and its engine process run on their own torch threads (``num_threads``,
+    ``rollout.async_threads``). Once the engine has sampled every batch asked of it, it waits
+    for the trainer's next step, and its cores sit idle (on 2 cores at k >= 1, SmolLM2's engine
+    works ~2.6 s of a ~4.0 s step); while the trainer waits for a batch (its first step), its
+    own do. :meth:`poll`, called at a process's natural breaks, sets ``own + lent`` threads
+    while ``idle()`` says the other side waits and ``own`` while it works. The trainer polls
+    between the layers of its passes (forward and backward), before each optimizer step and
+    after asking the engine for a batch; the engine between the layers of its passes and
+    before each decode step.
+
+    Only the thread count changes, never the arithmetic's order, on kernels whose results do
+    not depend on it: measured bit for bit on this machine type
+    (``tests/trainer/test_async_rollout.py``; ``scripts/thread_invariance.py`` checks a model
+    on a machine), but not promised by torch for every kernel and CPU, which is why it is off
+    by default."""
+
+    def __init__(self, own: int, lent: int, idle: Callable[[], bool]) -> None:
+        self.own, self.lent, self.idle = own, lent, idle
+        self.current = own
+        self.since = time.perf_counter()
+        self.lent_s = 0.0  # seconds on own + lent threads since the last take_lent_s
+
+    def poll(self) -> None:
+        want = self.own + self.lent if self.idle() else self.own
+        if want != self.current:
+            self._account()
+            torch.set_num_threads(want)
+            self.current = want
+
+    def _account(self) -> None:
+        now = time.perf_counter()
+        if self.current != self.own:
+            self.lent_s += now - self.since
+        self.since = now
+
+    def take_lent_s(self) -> float:
+        """Seconds the trainer ran on the lent threads since the last call."""
+        self._account()
+        out, self.lent_s = self.lent_s, 0.0
+        return out
+
+    def restore(self) -> None:
+        """Back to the trainer's own threads."""
+        self._account()
+        torch.set_num_threads(self.own)
+        self.current = self.own
+
+
 class AsyncEngine:
     """The engine process and its weight slots (see the module docstring)."""
 
@@ -530,9 +597,11 @@ class AsyncEngine:
                  opts: EngineOptions, steps_ahead: int, threads: int, recompute: Recompute,
                  version: int = 0, startup_timeout_s: float = 600.0,
                  device: torch.device | None = None, turns: Any = None,
-                 whole_publish: bool = False) -> None:
+                 whole_publish: bool = False, lend_threads: bool = False) -> None:
         """``whole_publish``: copy the whole policy at every publish, also for a LoRA policy
-        (to measure what publishing only the adapter saves)."""
+        (to measure what publishing only the adapter saves). ``lend_threads``: the engine
+        process also runs on this process's threads while :meth:`take` waits
+        (:class:`ThreadLending`)."""
         self.entries, sizes = _layout(model)
         self._unique = distinct(self.entries)  # tied tensors are copied once
         self._changing = None if whole_publish else changing(model, self._unique)
@@ -545,6 +614,9 @@ class AsyncEngine:
         self.threads = threads
         # requests asked for / finished by the engine process (it counts them in shared memory)
         self.submitted, self.finished = 0, torch.zeros(1, dtype=torch.long).share_memory_()
+        # 1 while take() waits, with thread lending (the engine then borrows our threads)
+        self.waiting = (torch.zeros(1, dtype=torch.long).share_memory_() if lend_threads
+                        else None)
         self.publish(model, version)
         ctx = mp.get_context("spawn")  # fork would copy this process's threads and locks
         self.requests, self.results = ctx.Queue(), ctx.Queue()
@@ -553,7 +625,7 @@ class AsyncEngine:
             args=(_skeleton(model), self.entries, self.slots, self.slot_versions, tokenizer,
                   engine, opts, threads, recompute, self.requests, self.results,
                   device if device is not None else torch.device("cpu"), turns,
-                  self._changing, self.finished))
+                  self._changing, self.finished, self.waiting, torch.get_num_threads()))
         self.proc.start()
         kind, payload = self._get(startup_timeout_s)
         if kind != "ready":
@@ -588,7 +660,13 @@ class AsyncEngine:
 
     def take(self, timeout_s: float = 3600.0) -> tuple[int, dict[str, Any]]:
         """The next finished batch, in submission order: (step, encoded rollout)."""
-        kind, payload = self._get(timeout_s)
+        if self.waiting is not None:
+            self.waiting.fill_(1)
+        try:
+            kind, payload = self._get(timeout_s)
+        finally:
+            if self.waiting is not None:
+                self.waiting.fill_(0)
         if kind != "batch":
             raise RuntimeError(f"rollout engine process failed:\n{payload}")
         return payload

@@ -29,7 +29,13 @@ import torch.nn.functional as F
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from gspo.models.decode import DenseDecoder, packable, packing_pays, unsupported
-from gspo.models.lean_forward import inference_safe, key_bias, lean_hidden, no_autograd
+from gspo.models.lean_forward import (
+    at_boundary,
+    inference_safe,
+    key_bias,
+    lean_hidden,
+    no_autograd,
+)
 from gspo.models.moe import capture_routing, router_modules
 from gspo.models.onednn import linear as onednn_linear
 from gspo.rollout.batch import Rollout
@@ -369,6 +375,7 @@ def _generate(model: Any, prompts: list[list[int]], ids: torch.Tensor, mask: tor
             active, tok, mask, next_pos = active[keep], tok[keep], mask[keep], next_pos[keep]
             tok_rows, lp_rows = tok_rows[keep], lp_rows[keep]
             u = None if u is None else u[keep]
+        at_boundary()  # thread lending's poll (rollout.async_lend_threads), else nothing
         if decoder is not None:
             logits = decoder.step(tok, next_pos)
         else:

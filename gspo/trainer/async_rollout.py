@@ -31,7 +31,6 @@ routing, which R2 replays; :func:`staleness_routing_metrics` measures how far st
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -43,6 +42,7 @@ from gspo.rollout.async_engine import (
     AsyncEngine,
     Recompute,
     Request,
+    ThreadLending,
     decode,
     merge_encoded,
     split_request,
@@ -104,54 +104,6 @@ class _Engines:
             raise errors[0]
 
 
-class ThreadLending:
-    """``rollout.async_lend_threads``: the trainer borrows the engine processes' cores while
-    they are idle.
-
-    With the engine on its own cores, the trainer runs on ``own`` torch threads; but once the
-    engine has sampled every batch asked of it, it waits for the trainer's next step, and its
-    ``lent`` cores would sit idle (on 2 cores at k >= 1, SmolLM2's engine works ~2.5 s of a
-    ~3.9 s step). :meth:`poll`, called at the trainer's natural breaks (between the layers of
-    its passes, forward and backward, before each optimizer step, and after asking the engine
-    for a batch), sets ``own + lent`` threads while the engine is idle and ``own`` while it
-    samples. Only the thread count changes, never the arithmetic's order, on kernels whose
-    results do not depend on it: measured bit for bit on this machine type
-    (``tests/trainer/test_async_rollout.py``; ``scripts/thread_invariance.py`` checks a model
-    on a machine), but not promised by torch for every kernel and CPU, which is why it is off
-    by default."""
-
-    def __init__(self, own: int, lent: int, idle: Callable[[], bool]) -> None:
-        self.own, self.lent, self.idle = own, lent, idle
-        self.current = own
-        self.since = time.perf_counter()
-        self.lent_s = 0.0  # seconds on own + lent threads since the last take_lent_s
-
-    def poll(self) -> None:
-        want = self.own + self.lent if self.idle() else self.own
-        if want != self.current:
-            self._account()
-            torch.set_num_threads(want)
-            self.current = want
-
-    def _account(self) -> None:
-        now = time.perf_counter()
-        if self.current != self.own:
-            self.lent_s += now - self.since
-        self.since = now
-
-    def take_lent_s(self) -> float:
-        """Seconds the trainer ran on the lent threads since the last call."""
-        self._account()
-        out, self.lent_s = self.lent_s, 0.0
-        return out
-
-    def restore(self) -> None:
-        """Back to the trainer's own threads."""
-        self._account()
-        torch.set_num_threads(self.own)
-        self.current = self.own
-
-
 class AsyncRollout:
     """Asks the engine process for batches ahead, hands them out in step order, publishes
     weights, and carries the in-flight batches through checkpoints."""
@@ -208,7 +160,10 @@ class AsyncRollout:
                     started.append(AsyncEngine(
                         model, tokenizer, engine=self.engine_name, opts=self.opts,
                         steps_ahead=self.k, threads=self.threads, recompute=self.recompute,
-                        version=version, device=self.device, turns=self.turns))
+                        version=version, device=self.device, turns=self.turns,
+                        # borrowing while the trainer waits: one engine only (several
+                        # would each take the trainer's threads)
+                        lend_threads=self.lend_threads and self.n_engines == 1))
         except BaseException:
             _Engines(started).close()
             raise

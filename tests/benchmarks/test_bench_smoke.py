@@ -360,8 +360,8 @@ def test_async_summary_leaves_out_the_draining_steps_and_states_lent_time():
 
     def child(arm, times):
         return {"arm": arm, "peak_rss_mb": 1.0, "steps": [
-            {"step_s": t, "rollout_s": 0.0, "response_tokens": 8, "lent_s": t / 4}
-            for t in times]}
+            {"step_s": t, "rollout_s": 0.0, "response_tokens": 8, "lent_s": t / 4,
+             "borrowed_s": t / 8} for t in times]}
 
     assert bench_async.ARMS["async2-lend@1+1"][3][-1] == "rollout.async_lend_threads=true"
     s = bench_async.summarize([child("async1-lend@1+1", [9.0, 4.0, 4.0, 2.0]),
@@ -376,3 +376,5 @@ def test_async_summary_leaves_out_the_draining_steps_and_states_lent_time():
                                         "update": 1}, {"1": 1.0, "2": 2.0})
     assert any(r.startswith("Trainer time a step on the engine's lent thread (medians): "
                             "async1-lend@1+1 1.00 s") for r in rows)
+    assert any(r.startswith("Engine time a batch on the trainer's lent thread (medians): "
+                            "async1-lend@1+1 0.50 s") for r in rows)

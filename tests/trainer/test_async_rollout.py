@@ -932,14 +932,14 @@ def test_thread_lending_follows_the_engine_and_counts_its_time(monkeypatch):
     """ThreadLending: own + lent threads while the engine is idle, own while it samples; a
     change only when the wanted count changes; the time on lent threads accounted; restore
     gives the own threads back."""
-    from gspo.trainer import async_rollout
+    from gspo.rollout import async_engine
 
     calls: list[int] = []
-    monkeypatch.setattr(async_rollout.torch, "set_num_threads", calls.append)
+    monkeypatch.setattr(async_engine.torch, "set_num_threads", calls.append)
     clock = iter([0.0, 1.0, 3.5, 4.0, 6.0, 7.0, 8.0])
-    monkeypatch.setattr(async_rollout.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(async_engine.time, "perf_counter", lambda: next(clock))
     idle = [False]
-    lend = async_rollout.ThreadLending(1, 2, lambda: idle[0])  # t = 0
+    lend = async_engine.ThreadLending(1, 2, lambda: idle[0])  # t = 0
     lend.poll()
     assert calls == []  # busy engine, own threads already
     idle[0] = True
@@ -977,16 +977,42 @@ def test_an_async_engine_counts_its_finished_requests():
     assert engine.idle()
 
 
+@pytest.mark.parametrize("fails", [False, True])
+def test_take_says_the_trainer_waits_while_it_waits(fails):
+    """With thread lending the engine process borrows the trainer's threads while take()
+    waits for a batch: the shared flag is 1 during the wait and 0 after it, also when the
+    wait ends in an error."""
+    engine = AsyncEngine.__new__(AsyncEngine)  # the flag and take() only, no process
+    engine.waiting = torch.zeros(1, dtype=torch.long).share_memory_()
+    seen = []
+
+    def get(timeout_s):
+        seen.append(int(engine.waiting))
+        if fails:
+            raise TimeoutError("no batch")
+        return "batch", (0, {})
+
+    engine._get = get
+    if fails:
+        with pytest.raises(TimeoutError):
+            engine.take()
+    else:
+        assert engine.take() == (0, {})
+    assert seen == [1] and int(engine.waiting) == 0
+
+
 @pytest.mark.slow
 def test_a_run_on_lent_threads_trains_to_the_same_weights(tmp_path):
     """rollout.async_lend_threads: the trainer runs on 2 threads while the engine process
-    waits (logged), and, on this machine type's kernels, to the same weights bit for bit as
-    on its own thread."""
+    waits, the engine on 2 while the trainer waits (both logged), and, on this machine type's
+    kernels, the run trains to the same weights bit for bit as on their own threads."""
     extra = ["steps=3", "rollout.async_steps=1", "save_every=1", "num_threads=1"]
     own = _trained(_cfg(tmp_path, "own", *extra))
     lent = _trained(_cfg(tmp_path, "lent", *extra, "rollout.async_lend_threads=true"))
     _assert_same_run(own, lent, step=3)
     rows = _rows(lent)
     assert all(r["async/lent_threads_s"] > 0 for r in rows)
+    # the engine borrowed the trainer's thread while the trainer waited for batch 0
+    assert rows[0]["async/engine_borrowed_s"] > 0
     assert torch.get_num_threads() == 1  # given back when the pipeline closed
     assert not any("async/lent_threads_s" in r for r in _rows(own))
