@@ -578,13 +578,13 @@ class ThreadLending:
         self.since = now
 
     def take_lent_s(self) -> float:
-        """Seconds the trainer ran on the lent threads since the last call."""
+        """Seconds this process ran on the lent threads since the last call."""
         self._account()
         out, self.lent_s = self.lent_s, 0.0
         return out
 
     def restore(self) -> None:
-        """Back to the trainer's own threads."""
+        """Back to this process's own threads."""
         self._account()
         torch.set_num_threads(self.own)
         self.current = self.own
