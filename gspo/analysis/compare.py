@@ -30,7 +30,7 @@ import yaml
 
 from gspo.analysis.report import summarize, write_report
 from gspo.analysis.spec import CompareSpec
-from gspo.config import ConfigError, TrainConfig, to_dict
+from gspo.config import ConfigError, TrainConfig, to_dict, validate
 from gspo.models.moe import expert_change, routing_change
 from gspo.objectives import objective_from_config
 from gspo.trainer import Trainer
@@ -134,6 +134,21 @@ def _release(trainer: Trainer) -> None:
         torch.cuda.empty_cache()
 
 
+def probe_config(spec: CompareSpec, seed: int, runs_dir: Path, extra: list[str]
+                 ) -> TrainConfig:
+    """The routing probe's config: the first arm's, synchronous. One update from the initial
+    policy on a batch it sampled itself: no engine process even when the arm runs one
+    (``rollout.async_steps``), whose pipeline would hold no batch; so none of the options
+    that only the pipeline uses either."""
+    cfg = spec.config(spec.probe_arm, seed, runs_dir, extra)
+    sync = dataclasses.replace(cfg.rollout, async_steps=0, async_threads=1, async_engines=1,
+                               async_address="", async_lend_threads=False)
+    cfg = dataclasses.replace(cfg, run_name=f"probe_s{seed}", steps=0, eval_before=False,
+                              rollout=sync)
+    validate(cfg)
+    return cfg
+
+
 def run_probe(spec: CompareSpec, seed: int, runs_dir: Path, extra: list[str],
               log: Callable[[str], None]) -> dict[str, Any]:
     """The routing probe of ``seed`` (:func:`first_update_probe`), run once per runs folder.
@@ -143,12 +158,7 @@ def run_probe(spec: CompareSpec, seed: int, runs_dir: Path, extra: list[str],
     comparison started side by side into one runs folder (``--arms``) wait for the first one's
     probe and reuse it instead of deleting it as unfinished or refusing it as another config.
     """
-    cfg = spec.config(spec.probe_arm, seed, runs_dir, extra)
-    # one update from the initial policy on a batch it sampled itself: no engine process
-    # even when the arm runs one (rollout.async_steps), whose pipeline would hold no batch
-    sync = dataclasses.replace(cfg.rollout, async_steps=0, async_threads=1)
-    cfg = dataclasses.replace(cfg, run_name=f"probe_s{seed}", steps=0, eval_before=False,
-                              rollout=sync)
+    cfg = probe_config(spec, seed, runs_dir, extra)
     run_dir = Path(cfg.output_dir) / cfg.run_name
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     with open(run_dir.parent / f"{cfg.run_name}.lock", "w") as lock:

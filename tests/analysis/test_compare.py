@@ -183,6 +183,20 @@ def test_the_routing_probe_of_an_async_arm_samples_in_process(tmp_path):
     assert (tmp_path / "probe_s0" / "compare.json").is_file()
 
 
+def test_the_probe_of_an_arm_with_pipeline_only_options_is_a_valid_sync_config(tmp_path):
+    """Options only the async pipeline uses (thread lending, engines per trainer, an engine
+    address) leave the probe with it: its config is synchronous and valid (an arm with thread
+    lending or two engines used to fail here with "used only with rollout.async_steps > 0")."""
+    from gspo.analysis.compare import probe_config
+
+    spec = load_spec("async/lend_check", quick=True)
+    cfg = probe_config(spec, 0, tmp_path, ["rollout.async_engines=2"])
+    r = cfg.rollout
+    assert (r.async_steps, r.async_engines, r.async_address, r.async_lend_threads) == (
+        0, 1, "", False)
+    assert cfg.run_name == "probe_s0" and cfg.steps == 0
+
+
 def test_subsets_of_arms_share_one_probe_per_seed(tmp_path):
     """`--arms` subsets run as separate processes into one runs folder: the probe runs with the
     file's first arm whichever subset runs it, so a later subset reuses it (it used to refuse it
