@@ -80,7 +80,6 @@ reach here.
 from __future__ import annotations
 
 import argparse
-import re
 import subprocess
 import sys
 import time
@@ -205,12 +204,13 @@ VARIANTS = {"compile": "compile_layers", "thp": "THP_MEM_ALLOC_ENABLE=1",
 
 
 def pipeline_depth(arm: str) -> int:
-    """k of an async arm (0 for the others): a child's last k steps are left out of its
-    timings. The pipeline drains there (their batches were all asked for before): the engine
-    waits from its last batch on, an idle engine that the trainer's steps would not otherwise
-    have (with ``rollout.async_lend_threads`` it would run them on both cores)."""
-    m = re.match(r"async(\d+)", arm)
-    return int(m.group(1)) if m else 0
+    """k of an async arm (its ``rollout.async_steps``; 0 for the others): a child's last k
+    steps are left out of its timings. The pipeline drains there (their batches were all asked
+    for before): the engine waits from its last batch on, an idle engine that the trainer's
+    steps would not otherwise have (with ``rollout.async_lend_threads`` it would run them on
+    both cores)."""
+    steps = [o for o in ARMS[arm][3] if o.startswith("rollout.async_steps=")]
+    return int(steps[-1].partition("=")[2]) if steps else 0
 
 
 def total_threads(arm: str) -> int:
