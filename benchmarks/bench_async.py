@@ -62,15 +62,18 @@ benchmark's, configured the same way. Arms (``--arms``), each with its thread co
 The primary clock is wall time (an async arm runs two processes; CPU time of one says nothing).
 Arms alternate A B C …, … C B A in child processes; run it on a quiet machine.
 
-The FLOP limit: ``torch.mm`` GFLOP/s measured here at 1 and 2 threads on the step's own
-matmul shapes (the best of them), × the arm's total cores through that measurement. The
-step's FLOPs are counted once with ``torch.utils.flop_counter.FlopCounterMode`` on one
-synchronous step (matmuls and attention; forward, backward and the sampling passes), split by
-phase (rollout, π_old pass, update). An async step does the same work in two processes.
-With ``sync@1`` / ``sync@2`` in the run it also reports the shortest step the machine allows
-(:func:`step_bound`, with the memory read rate measured beside the FLOP limit) and how far each
-phase is from it: the fraction of the FLOP limit any fp32 implementation of this step could
-reach here.
+The FLOP limit: ``torch.mm`` GFLOP/s measured here at 1 and 2 threads on the step's own matmul
+shapes (the best of them), × the arm's total cores through that measurement. The step's FLOPs
+are counted once on one synchronous step by :func:`flops_mode` (matrix products and attention,
+oneDNN's included; forward, backward and the sampling passes), split by phase (rollout, π_old
+pass, update). Until 2026-12-07 ``torch.utils.flop_counter.FlopCounterMode`` counted them; its
+module hooks sent that step through ``forward`` instead of the lean passes (the same products,
+777 GFLOP either way for SmolLM2's step), and it had no formula for the CPU's attention
+kernels, which it left out (14 GFLOP, 1.8% of the step: 791 in all). An async step does the
+same work in two processes. With ``sync@1`` / ``sync@2`` in the run it also reports the
+shortest step the machine allows (:func:`step_bound`, with the memory read rate measured beside
+the FLOP limit) and how far each phase is from it: the fraction of the FLOP limit any fp32
+implementation of this step could reach here.
 
     HF_HUB_OFFLINE=1 python -m benchmarks.bench_async          # ~15 min, 2 cores
     HF_HUB_OFFLINE=1 python -m benchmarks.bench_async --model tiny:llama --steps 3 --reps 1 \\
@@ -218,36 +221,93 @@ def total_threads(arm: str) -> int:
     return trainer + engine
 
 
-def count_step_flops(spec: dict[str, Any]) -> dict[str, float]:
-    """FLOPs of one synchronous gspo step by phase (the first step of a fresh trainer)."""
-    from torch.utils.flop_counter import FlopCounterMode
+def flops_mode() -> Any:
+    """A ``TorchDispatchMode`` that adds up the FLOPs of the matrix products and attention run
+    under it, in ``.total``: torch's own formulas
+    (``torch.utils.flop_counter.flop_registry``: ``mm``, ``addmm``, ``bmm``, ...) plus the
+    ops gspo runs on the CPU that torch has none for: oneDNN's linear
+    (``mkldnn._linear_pointwise``, 2 M K N; the lean passes' and the packed decode's
+    products), the CPU flash attention, forward and backward (torch's formulas for SDPA),
+    and ``matmul``, ``linear`` and SDPA themselves, which under ``torch.inference_mode``
+    (the sampling passes) reach a dispatch mode before they decompose. Unlike
+    ``FlopCounterMode`` it registers no module hooks: those would make gspo's lean passes
+    and decoder refuse the model (:func:`gspo.models.decode.unsupported`) and the count
+    would then be of the ``forward`` path, not of the step that is timed."""
+    import torch
+    from torch.utils import flop_counter as fc
+    from torch.utils._python_dispatch import TorchDispatchMode
 
+    aten = torch.ops.aten
+    def product(a: Any, out: Any) -> int:  # [..., K] times [K, N] (or [N, K]ᵀ): 2 K per output
+        return 2 * out.numel() * a[0].shape[-1]
+
+    formulas: dict[Any, Any] = {
+        torch.ops.mkldnn._linear_pointwise: product,
+        # reach a dispatch mode undecomposed under torch.inference_mode (the sampling passes)
+        aten.matmul: product, aten.linear: product,
+        aten.scaled_dot_product_attention: lambda a, out: fc.sdpa_flop_count(
+            a[0].shape, a[1].shape, a[2].shape),
+        aten._scaled_dot_product_flash_attention_for_cpu: lambda a, out: fc.sdpa_flop_count(
+            a[0].shape, a[1].shape, a[2].shape),
+        aten._scaled_dot_product_flash_attention_for_cpu_backward:
+            lambda a, out: fc.sdpa_backward_flop_count(a[0].shape, a[1].shape, a[2].shape,
+                                                       a[3].shape)}
+
+    class Mode(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.total = 0
+            self.by_op: dict[str, int] = {}
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                               kwargs: Any = None) -> Any:
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            op = func._overloadpacket
+            if op in fc.flop_registry:
+                n = int(fc.flop_registry[op](*args, **kwargs, out_val=out))
+            elif op in formulas:
+                n = int(formulas[op](args, out))
+            else:
+                return out
+            self.total += n
+            self.by_op[str(op)] = self.by_op.get(str(op), 0) + n
+            return out
+
+    return Mode()
+
+
+def count_step_flops(spec: dict[str, Any]) -> dict[str, Any]:
+    """FLOPs of one synchronous gspo step by phase (the first step of a fresh trainer), on the
+    path the timed steps take (:func:`flops_mode`)."""
     from benchmarks import bench_vs_trl
 
     counts: dict[str, float] = {}
     real = bench_vs_trl._timed
+    mode = flops_mode()
 
     def counting(fn: Any, into: list[tuple[float, float]]) -> Any:  # the phase wrappers
         name = getattr(fn, "__name__", "phase")
 
         def wrapper(*a: Any, **k: Any) -> Any:
-            with FlopCounterMode(display=False) as c:
-                out = fn(*a, **k)
-            counts[name] = counts.get(name, 0.0) + float(c.get_total_flops())
+            before = mode.total
+            out = fn(*a, **k)
+            counts[name] = counts.get(name, 0.0) + float(mode.total - before)
             into.append((0.0, 0.0))
             return out
         return wrapper
 
     bench_vs_trl._timed = counting
     try:
-        with FlopCounterMode(display=False) as total:
+        with mode:
             run_gspo({**spec, "arm": "gspo", "steps": 1, "overrides": []})
     finally:
         bench_vs_trl._timed = real
-    return {"total": float(total.get_total_flops()), "rollout": counts.get("rollout", 0.0),
+    total = float(mode.total)
+    return {"total": total, "rollout": counts.get("rollout", 0.0),
             "old_logprobs": counts.get("old_logprobs", 0.0),
-            "update": float(total.get_total_flops()) - counts.get("rollout", 0.0)
-            - counts.get("old_logprobs", 0.0)}
+            "update": total - counts.get("rollout", 0.0) - counts.get("old_logprobs", 0.0),
+            "by_op": {k: float(v) for k, v in mode.by_op.items()}}
 
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:
@@ -439,7 +499,8 @@ def table(model: str, summary: dict[str, Any], flops: dict[str, float],
                     f"{fmt(s.get('old_logprobs_s', float('nan')))} | {fmt(s['gflops'], 1)} | "
                     f"{100 * s['frac_of_limit']:.0f}% | {fmt(s['peak_rss_mb'], 0)} |")
     rows.append("")
-    rows.append(f"Step work (FlopCounterMode, one sync step): {flops['total'] / 1e9:.0f} GFLOP "
+    rows.append(f"Step work (products and attention counted on one sync step, `flops_mode`): "
+                f"{flops['total'] / 1e9:.0f} GFLOP "
                 f"(rollout {flops['rollout'] / 1e9:.0f}, π_old {flops['old_logprobs'] / 1e9:.0f}, "
                 f"update {flops['update'] / 1e9:.0f}). FLOP limit (best of torch.mm and "
                 "oneDNN): "

@@ -335,6 +335,66 @@ def test_routing_volatility_grids_are_valid_configs():
         bench.UPCYCLED.format(std=0.02, noise=0.01)}
 
 
+def test_flops_mode_counts_onednn_products_attention_and_inference_mode_ops():
+    """bench_async.flops_mode by hand: a oneDNN linear forward and backward is 3 products of
+    2 M K N; under inference mode ``matmul`` and SDPA reach the mode whole and are counted
+    once; the CPU flash attention's forward and backward get torch's SDPA formulas."""
+    import torch
+    from torch.utils import flop_counter as fc
+
+    from benchmarks import bench_async
+    from gspo.models import onednn
+    from gspo.models.decode import onednn_available
+
+    if not onednn_available():
+        pytest.skip("this torch build has no oneDNN")
+    x = torch.randn(6, 5, requires_grad=True)
+    w = torch.randn(3, 5, requires_grad=True)
+    mode = bench_async.flops_mode()
+    with mode:
+        onednn.linear(x, w).sum().backward()
+    assert mode.total == 3 * 2 * 6 * 5 * 3
+    assert mode.by_op == {"mkldnn._linear_pointwise": 3 * 2 * 6 * 5 * 3}
+
+    q, k = torch.randn(2, 4, 3, 8), torch.randn(2, 2, 7, 8)
+    mode = bench_async.flops_mode()
+    with torch.inference_mode(), mode:
+        torch.matmul(q, k.transpose(-1, -2)[:, :1])  # [2, 4, 3, 7], K = 8
+        torch.nn.functional.scaled_dot_product_attention(q, k, k, enable_gqa=True)
+    assert mode.by_op["aten.matmul"] == 2 * 2 * 4 * 3 * 7 * 8
+    assert mode.by_op["aten.scaled_dot_product_attention"] == fc.sdpa_flop_count(
+        q.shape, k.shape, k.shape)
+    assert mode.total == sum(mode.by_op.values())
+
+    q = torch.randn(2, 4, 3, 8, requires_grad=True)
+    k2, v2 = torch.randn(2, 4, 7, 8), torch.randn(2, 4, 7, 8)
+    mode = bench_async.flops_mode()
+    with mode:
+        torch.nn.functional.scaled_dot_product_attention(q, k2, v2).sum().backward()
+    flash = "aten._scaled_dot_product_flash_attention_for_cpu"
+    assert mode.by_op[flash] == fc.sdpa_flop_count(q.shape, k2.shape, v2.shape)
+    assert mode.by_op[flash + "_backward"] == fc.sdpa_backward_flop_count(
+        q.shape, q.shape, k2.shape, v2.shape)
+
+
+def test_flops_mode_leaves_the_lean_passes_on_where_flop_counter_mode_turns_them_off():
+    """FlopCounterMode's module hooks make gspo's decoder and lean passes refuse a model (they
+    would bypass hooks), so a step counted under it is not the step that is timed; under
+    flops_mode the model stays supported."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from benchmarks import bench_async
+    from gspo.models import load_model
+    from gspo.models.decode import unsupported
+
+    model, _ = load_model("tiny:llama")
+    assert unsupported(model) is None
+    with bench_async.flops_mode():
+        assert unsupported(model) is None
+    with FlopCounterMode(display=False):
+        assert unsupported(model) is not None
+
+
 def test_step_bound_takes_the_longer_of_the_rollouts_flops_and_its_weight_reads():
     """bench_async.step_bound by hand: 10 GFLOP/s at 1 thread; a rollout of 2 GFLOP over
     5 tokens (4 decode steps) reading 1 GB of weights each at 2 GB/s: 2 s of reads > 0.2 s of
