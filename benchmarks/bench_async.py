@@ -432,8 +432,8 @@ def summarize(results: list[dict[str, Any]], warmup: int, flops: dict[str, float
              "n_steps": len(steps)}
         for key in ("old_logprobs_s", "sys_cpu_s", "minor_faults", "engine_s", "publish_s",
                     "publish_send_s", "lent_s", "borrowed_s"):
-            if key in steps[0]:
-                s[key] = median([x[key] for x in steps])
+            if have := [x[key] for x in steps if key in x]:  # an async run's step 0 publishes
+                s[key] = median(have)  # nothing (version 0 went with the engine's start)
         syncs = [x["engine_sync_s"] for x in steps if x.get("engine_sync_s", 0) > 0]
         if syncs:  # the batches whose version the engine's own copy did not hold yet
             s["engine_sync_s"] = median(syncs)

@@ -3,8 +3,9 @@
 The trainer keeps its policy; the engine process samples from copies of it held in shared
 memory (one machine). There are ``k + 1`` weight *slots*; policy version ``v`` (the weights
 after ``v`` updates) lives in slot ``v % (k + 1)``. :meth:`AsyncEngine.publish` copies the
-policy into its slot after every update; :meth:`AsyncEngine.submit` asks for a batch sampled
-from a given version; :meth:`AsyncEngine.take` returns finished batches in submission order.
+policy into its slot after every update (when the step that uses it starts);
+:meth:`AsyncEngine.submit` asks for a batch sampled from a given version;
+:meth:`AsyncEngine.take` returns finished batches in submission order.
 
 Why ``k + 1`` slots are enough without any lock: the batch of step ``t`` is sampled from
 version ``max(0, t - k)`` (see :mod:`gspo.trainer.async_rollout`), and the trainer publishes

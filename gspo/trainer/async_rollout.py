@@ -5,10 +5,16 @@ the weights after ``v(t)`` updates: a fixed function of ``t``, so the run is det
 whatever the timing, staleness ``t - v(t)`` never exceeds k, and k = 0 would be the
 synchronous loop. (One exception: a finished run resumed with more steps never drew the
 batches of its last k steps, so those come from the version it resumes with, less stale.)
-At step ``t`` the trainer asks the engine process
-(:class:`gspo.rollout.async_engine.AsyncEngine`) for every batch up to ``t + k`` (their
-versions are all published by then), takes batch ``t``, trains on it while the engine samples
-``t + 1 … t + k``, and publishes version ``t + 1``.
+At step ``t`` the trainer publishes version ``t`` (the weights it holds then), asks the engine
+process (:class:`gspo.rollout.async_engine.AsyncEngine`) for every batch up to ``t + k``
+(their versions are all published by then), takes batch ``t`` and trains on it while the
+engine samples ``t + 1 … t + k``.
+
+A guard rollback (:mod:`gspo.trainer.guard`) after step ``t`` puts back the weights of an
+earlier step ``g``. Since version ``t + 1`` is only published when step ``t + 1`` starts, the
+weights it discarded are never published; :meth:`AsyncRollout.rolled_back` publishes the
+restored ones as version ``t + 1`` at once and samples the batches in flight from versions
+newer than ``g`` again from them, with the same prompts and seeds.
 
 Prompts are drawn by the trainer, in step order, when a batch is asked for; so at a
 checkpoint after step ``s`` the task has drawn batches ``0 … s + k - 1``. Resume stays exact by
@@ -135,6 +141,7 @@ class AsyncRollout:
         self.engine: AsyncEngine | RemoteEngine | _Engines | None = None
         self.submitted = 0  # batches 0 … submitted-1 have been drawn and asked for
         self.floor = 0  # the oldest version the engine was given (resume: the checkpoint's)
+        self.published = -1  # the newest version published
         # by request key: a step (its pipeline batch), or (step, draw) for an extra draw
         self.inflight: dict[int | tuple[int, int], list[Example]] = {}
         self.ready: dict[int | tuple[int, int], tuple[list[Example], dict[str, Any]]] = {}
@@ -147,7 +154,7 @@ class AsyncRollout:
 
     def start(self, model: Any, tokenizer: Any, *, version: int) -> None:
         """Start the engine process on ``model``'s weights, policy version ``version``."""
-        self.floor = version
+        self.floor = self.published = version
         started: list[Any] = []
         try:
             for i in range(self.n_engines):
@@ -235,7 +242,27 @@ class AsyncRollout:
         """Publish version ``version``; to engines started elsewhere its weights go in the
         background (:meth:`gspo.rollout.remote_engine.RemoteEngine.publish`). The seconds the
         trainer spent on it."""
-        return self.engine.publish(model, version)
+        seconds = self.engine.publish(model, version)
+        self.published = version
+        return seconds
+
+    def rolled_back(self, model: Any, *, version: int, kept: int,
+                    request_for: Callable[[list[Example], int], Request]) -> int:
+        """The trainer's weights were rolled back to those of version ``kept``: publish them as
+        ``version`` (the step about to run; nothing asked for it yet), and sample every batch
+        asked for from a version newer than ``kept`` (weights the rollback discarded) again,
+        from them: ``request_for(examples, step)`` rebuilds its request (the same prompts and
+        seeds). Waits for the batches in flight first. How many batches it asked for again."""
+        self.publish(model, version)
+        while self.inflight:
+            self._take_one()
+        again = sorted(key for key, (_, enc) in self.ready.items()
+                       if isinstance(key, int) and max(enc["versions"]) > kept)
+        for step in again:
+            examples, _ = self.ready.pop(step)
+            self._ask(request_for(examples, step), examples, version=version)
+        self.floor = version
+        return len(again)
 
     def publish_metrics(self) -> dict[str, float]:
         """After a publish to engines started elsewhere, ``time/publish_send_s``: how long

@@ -111,11 +111,12 @@ class Guard:
 
 
 def roll_back(ckpt: Path, model: Any, optimizer: Any, scheduler: Any, *,
-              lr_factor: float = 1.0) -> None:
+              lr_factor: float = 1.0) -> int:
     """Load weights and optimizer moments from ``ckpt`` and scale the lr by ``lr_factor``.
     The step, data position, RNG and lr-schedule position stay: the run goes on with fresh
-    prompts and samples instead of replaying the ones that led to the fault."""
-    optim_state, _ = load_checkpoint_state(ckpt)
+    prompts and samples instead of replaying the ones that led to the fault. Returns the
+    checkpoint's step: the model holds the weights of that many updates again."""
+    optim_state, state = load_checkpoint_state(ckpt)
     load_weights(model, ckpt)
     optimizer.load_state_dict(optim_state["optimizer"])
     # LambdaLR recomputes the lr from base_lrs at every step: scale those (they are saved in
@@ -124,6 +125,7 @@ def roll_back(ckpt: Path, model: Any, optimizer: Any, scheduler: Any, *,
     scheduler._last_lr = [lr * lr_factor for lr in scheduler.get_last_lr()]
     for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
         group["lr"] = lr
+    return int(state["step"])
 
 
 def _finite(v: Any) -> bool:

@@ -26,6 +26,7 @@ class Reliability:
             self.guard.load_state_dict(guard_state)
         self.reward_log = RewardErrorLog(run_dir)
         self.checkpoints = run_dir / "checkpoints"
+        self.restored_step: int | None = None  # the step of the last rollback's checkpoint
 
     def report_reward_errors(self, step: int, errors: dict[str, str]) -> None:
         """Print (once per function and run) the last line of each reward function's first
@@ -37,7 +38,8 @@ class Reliability:
 
     def respond(self, reason: str, step: int, model: Any, optimizer: Any,
                 scheduler: Any) -> str | None:
-        """Act on a guard signal: roll back (None: the run goes on) or the reason to stop."""
+        """Act on a guard signal: roll back (None: the run goes on; :attr:`restored_step` is
+        then the step whose weights the model holds again) or the reason to stop."""
         g = self.cfg
         print(f"guard: step {step}: {reason}", flush=True)
         if g.on_fault == "stop":
@@ -48,7 +50,7 @@ class Reliability:
         if ckpt is None:
             return f"{reason}; no checkpoint to roll back to (set save_every > 0)"
         factor = g.lr_factor if g.on_fault == "lower_lr" else 1.0
-        roll_back(ckpt, model, optimizer, scheduler, lr_factor=factor)
+        self.restored_step = roll_back(ckpt, model, optimizer, scheduler, lr_factor=factor)
         self.guard.acted(rolled_back=True)
         lr = f", lr now {scheduler.get_last_lr()[0]:.3g}" if factor != 1.0 else ""
         print(f"guard: rolled back to {ckpt.name} (weights and optimizer){lr}; rollback "

@@ -554,11 +554,16 @@ class Trainer:
     def _request(self, step: int, draw: int = 0) -> tuple[list[Any], Request]:
         """The prompts of ``step``'s ``draw``-th rollout batch (drawn from the task: call once
         per batch, in order), their sampling seeds and parameters."""
-        cfg = self.cfg.rollout
         # Every rank draws the same prompts and keeps whole groups: advantages stay local.
-        examples = self.task.sample(cfg.prompts_per_step)
+        examples = self.task.sample(self.cfg.rollout.prompts_per_step)
         lo, hi = self.dist.shard(len(examples))
-        examples = examples[lo:hi]
+        return examples[lo:hi], self._request_for(examples[lo:hi], step, draw)
+
+    def _request_for(self, examples: list[Any], step: int, draw: int = 0) -> Request:
+        """The request that samples this rank's share ``examples`` of ``step``'s ``draw``-th
+        batch: their prompts, seeds and sampling parameters (the same every time)."""
+        cfg = self.cfg.rollout
+        lo, _ = self.dist.shard(cfg.prompts_per_step)
         task = self.cfg.task
         prompts = [format_prompt(self.tokenizer, ex.prompt, chat_template=task.chat_template,
                                  system_prompt=task.system_prompt) for ex in examples]
@@ -568,7 +573,7 @@ class Trainer:
         seeds = [(self.cfg.seed * 1_000_003 + step) * 65_537 + first + i
                  for i in range(len(prompts))]
         params = SamplingParams(cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k)
-        return examples, Request(step, step, prompts, cfg.group_size, params, seeds, False)
+        return Request(step, step, prompts, cfg.group_size, params, seeds, False)
 
     def score(self, examples: list[Any], roll: Rollout) -> tuple[torch.Tensor, dict[str, float]]:
         """Rewards of the global batch (NaN: unscorable) and the per-function reward metrics."""
@@ -778,6 +783,7 @@ class Trainer:
         """One RL step, phase by phase; its metrics."""
         timer = PhaseTimer(self.dist.device)
         self.engine_current = self.async_rollout is None  # async: synced on its first use
+        published = self.publish(timer)
         with timer("rollout"):
             examples, roll = self.rollout()
         lending = self.async_rollout.lending if self.async_rollout is not None else None
@@ -786,11 +792,25 @@ class Trainer:
             metrics = self._learn(timer, examples, roll)
         if lending is not None:
             metrics["async/lent_threads_s"] = lending.take_lent_s()
-        return metrics
+        return {**published, **metrics}
+
+    def publish(self, timer: PhaseTimer) -> dict[str, float]:
+        """Async: the weights the trainer holds now, as policy version ``step``, for the
+        batches of ``step + k`` on (once a version; the first by the pipeline's start). They
+        are published here, when they are used, rather than after the update that made them:
+        a guard rollback in between replaces them, so weights it discards are never sampled
+        from. Its metrics (``time/publish_send_s`` to engines started elsewhere)."""
+        if self.async_rollout is None or self.async_rollout.published >= self.step:
+            return {}
+        self.async_rollout.poll_threads()
+        with timer("weight_sync"), self.dist.full_weights(self.model):
+            self.async_rollout.publish(self.model, self.step)
+        return max_over_ranks(self.async_rollout.publish_metrics(), self.dist)
 
     def _learn(self, timer: PhaseTimer, examples: list[Any], roll: Rollout
                ) -> dict[str, float]:
-        """The step after its rollout: rewards, π_old, the update, the weights published."""
+        """The step after its rollout: rewards, π_old, the update, the engine synced (the
+        synchronous loop; async publishes at the next step's start, :meth:`publish`)."""
         with timer("reward"):
             rewards, reward_metrics = self.score(examples, roll)  # the global batch's
         sampling: dict[str, float] = {}
@@ -810,16 +830,10 @@ class Trainer:
                 old.after = self.old_logprobs({"input_ids": batch.input_ids,
                                                "attention_mask": batch.attention_mask,
                                                "response_mask": batch.response_mask})[0]
-        published: dict[str, float] = {}
-        if self.async_rollout is not None:  # version step+1, for the batch of step+1+k
-            self.async_rollout.poll_threads()
-            with timer("weight_sync"), self.dist.full_weights(self.model):
-                self.async_rollout.publish(self.model, self.step + 1)
-            published = max_over_ranks(self.async_rollout.publish_metrics(), self.dist)
-        elif not self.engine.capabilities.shares_policy_weights:
+        if self.async_rollout is None and not self.engine.capabilities.shares_policy_weights:
             with timer("weight_sync"):
                 self.sync()
-        return {**reward_metrics, **sampling, **published,
+        return {**reward_metrics, **sampling,
                 **self.step_metrics(rewards, roll, batch, old, result, timer)}
 
     def refill(self, examples: list[Any], roll: Rollout, rewards: torch.Tensor,
@@ -963,6 +977,8 @@ class Trainer:
         reason = guard.observe(metrics)
         stop_reason = (self.reliability.respond(reason, self.step, self.model, self.optimizer,
                                                 self.scheduler) if reason else None)
+        if reason and stop_reason is None:
+            metrics.update(self.rolled_back(self.reliability.restored_step))
         metrics.update(guard.metrics())
         warning = self.zero_signal.observe(metrics)
         if warning and self.dist.is_main:
@@ -983,6 +999,22 @@ class Trainer:
             self._guard_stop(stop_reason)
         if cfg.save_every and self.step % cfg.save_every == 0 and self.step < cfg.steps:
             self.save_checkpoint()
+
+    def rolled_back(self, restored: int | None) -> dict[str, float]:
+        """After the guard put back the weights of step ``restored``: nothing samples from the
+        weights it discarded. An engine with a copy of its own (bf16, vLLM, llama.cpp) takes
+        the restored ones now. Async: they are published as this step's version, and the
+        batches asked for from versions newer than ``restored`` are sampled again from them,
+        with the same prompts and seeds (``guard/resampled_batches``)."""
+        if self.async_rollout is None:
+            if not self.engine.capabilities.shares_policy_weights:
+                self.sync()
+            return {}
+        with self.dist.full_weights(self.model):
+            again = self.async_rollout.rolled_back(
+                self.model, version=self.step, kept=self.step if restored is None else restored,
+                request_for=self._request_for)
+        return {"guard/resampled_batches": float(again)}
 
     def _finish(self) -> dict[str, Any]:
         if self.final_eval is None:  # else restored with the final checkpoint: already logged

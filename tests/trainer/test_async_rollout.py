@@ -301,6 +301,42 @@ def test_pipeline_asks_ahead_in_order_and_checkpoints_its_inflight_batches():
         _pipeline(model, tok, k=1, total=5, draws=[]).load_state_dict(state)
 
 
+def test_a_rollback_republishes_and_resamples_the_batches_of_discarded_versions():
+    """After step 3 (k = 2) the trainer's weights go back to version 2's: they are published
+    as version 4 at once; of the batches in flight, step 4's (version 2) is kept and step 5's
+    (version 3, discarded) is asked for again from version 4, with its request rebuilt (same
+    prompts and seeds, nothing drawn anew)."""
+    model, tok = load_model("tiny:llama", seed=0)
+    draws: list[int] = []
+    pipe = _pipeline(model, tok, k=2, total=7, draws=draws)
+    saved = {}
+    for step in range(4):
+        if pipe.published < step:  # as Trainer.publish: this step's weights first
+            pipe.publish(model, step)
+        saved[step] = {k: v.clone() for k, v in model.state_dict().items()}
+        pipe.next(step)
+        with torch.no_grad():
+            next(model.parameters()).add_(0.1)
+    model.load_state_dict(saved[2])  # the guard's rollback to step 2's checkpoint
+
+    def request_for(examples, step):
+        return Request(step, step, [[1, 2, 3 + step]], 2, SamplingParams(3, 1.0), [step], False)
+
+    assert pipe.rolled_back(model, version=4, kept=2, request_for=request_for) == 1
+    assert pipe.published == 4 and sorted(pipe.engine.versions) == [0, 1, 2, 3, 4]
+    assert all(torch.equal(pipe.engine.versions[4][k], saved[2][k]) for k in saved[2])
+    again = pipe.engine.asked[-1]
+    first = next(r for r in pipe.engine.asked if r.step == 5)
+    assert (again.step, again.version, first.version) == (5, 4, 3)
+    assert (again.prompts, again.seeds) == (first.prompts, first.seeds)
+    _, kept = pipe.next(4)
+    _, redone = pipe.next(5)
+    assert kept.versions == [2, 2] and redone.versions == [4, 4]
+    assert draws == [0, 1, 2, 3, 4, 5, 6]  # each once: 5 was not drawn again (6 by next(4))
+    pipe.next(6)  # asked for from version 4 as well (6 - k = 4): the pipeline goes on
+    assert pipe.engine.asked[-1].version == 4
+
+
 def test_a_request_split_over_engines_samples_what_one_engine_does():
     """rollout.async_engines: the request's prompts split over two engines (3 prompts: 2 + 1,
     each with its own seeds), their batches merged back in order: the same responses as one
@@ -715,6 +751,65 @@ def test_k2_run_is_bounded_stale_and_logs_the_drifts_apart(tmp_path, old):
 
 
 @pytest.mark.slow
+def test_after_a_rollback_no_batch_comes_from_the_discarded_weights(tmp_path, monkeypatch):
+    """k = 2, checkpoints every 2 steps, the guard rolls back after step 6 to step_000004.
+    Version 6 (the batches of step 8 on) is the restored weights, published once, never the
+    discarded ones of updates 5 and 6. Of the batches in flight, step 6's came from version 4
+    (kept: the restored weights themselves, so its staleness drift is exactly 0) and step 7's
+    from version 5, which the rollback discarded: it is sampled again from version 6, with
+    the same prompts."""
+    from gspo.trainer.async_rollout import AsyncRollout
+
+    published: dict[int, list[dict[str, torch.Tensor]]] = {}
+    real_publish = AsyncRollout.publish
+
+    def publish(self, model, version):
+        published.setdefault(version, []).append(
+            {k: v.detach().clone() for k, v in model.state_dict().items()})
+        return real_publish(self, model, version)
+
+    monkeypatch.setattr(AsyncRollout, "publish", publish)
+    trainer = Trainer(_cfg(tmp_path, "rb", "steps=8", "rollout.async_steps=2", "save_every=2",
+                           "keep_checkpoints=8",
+                           "objective.old_logprobs=recompute"),
+                      reward_fns=[char_codes]).setup()
+    guard = trainer.reliability.guard
+    real_observe = guard.observe
+    monkeypatch.setattr(guard, "observe", lambda m: "injected" if trainer.step == 6
+                        else real_observe(m))
+    prompts: dict[int, list] = {}
+    real_next = trainer.async_rollout.next
+
+    def next_batch(step):
+        examples, roll = real_next(step)
+        prompts[step] = [e.prompt for e in examples]
+        return examples, roll
+
+    monkeypatch.setattr(trainer.async_rollout, "next", next_batch)
+    drawn = []
+    real_draw = trainer.async_rollout.draw
+    trainer.async_rollout.draw = lambda b: drawn.append(b) or real_draw(b)
+    try:
+        trainer.train()
+    finally:
+        trainer.cleanup()
+    rows = {r["step"]: r for r in _rows(trainer)}
+    assert [rows[s]["guard/rollbacks"] for s in range(1, 9)] == [0] * 5 + [1] * 3
+    assert rows[6]["guard/resampled_batches"] == 1
+    assert "guard/resampled_batches" not in rows[5] and "guard/resampled_batches" not in rows[7]
+    # rows[s] trains the batch of step s - 1; its staleness is s - 1 minus its version
+    assert [rows[s]["async/staleness_max"] for s in range(1, 9)] == [0, 1, 2, 2, 2, 2, 2, 1]
+    assert rows[7]["async/staleness_drift_abs_max"] == 0.0  # version 4: the restored weights
+    assert rows[8]["async/staleness_drift_abs_max"] > 0  # version 6: one update behind
+    assert sorted(published) == list(range(1, 8)) and all(
+        len(v) == 1 for v in published.values())  # each version once (0: at the start)
+    restored = load_file(trainer.run_dir / "checkpoints/step_000004/model.safetensors")
+    assert all(torch.equal(published[6][0][k], restored[k]) for k in restored)
+    assert drawn == list(range(8))  # the batch sampled again kept its prompts: none drawn anew
+    assert len(prompts) == 8
+
+
+@pytest.mark.slow
 def test_a_dead_engine_process_is_a_clear_error():
     model, tok = load_model("tiny:llama", seed=0)
     from gspo.models import token_logprobs
@@ -814,9 +909,11 @@ def test_an_engine_started_elsewhere_gives_the_local_engines_run_bit_for_bit(tmp
     rows_remote = _rows(remote)
     assert [r["async/staleness_max"] for r in rows_remote] == [min(t, k) for t in range(4)]
     assert all(r["async/engine_mismatch_abs_max"] < 3e-5 for r in rows_remote)
-    assert all(r["time/weight_sync_s"] > 0 for r in rows_remote[:-1])
-    # each step's publish waits for the previous one's broadcast, and reports how long it took
-    assert all(r["time/publish_send_s"] > 0 for r in rows_remote)
+    # version 0 went with the set-up; each later step publishes its own weights first, after
+    # waiting for the previous publish's broadcast, and reports how long that took
+    assert "time/weight_sync_s" not in rows_remote[0]
+    assert all(r["time/weight_sync_s"] > 0 for r in rows_remote[1:])
+    assert all(r["time/publish_send_s"] > 0 for r in rows_remote[1:])
     assert "time/publish_send_s" not in _rows(local)[0]
 
 

@@ -158,18 +158,19 @@ def test_fault_streak_rolls_back_to_the_last_good_checkpoint(tmp_path, monkeypat
 
     def roll_back(ckpt, model, optimizer, scheduler, **kw):
         seen["before"] = {k: v.clone() for k, v in model.state_dict().items()}
-        real_roll_back(ckpt, model, optimizer, scheduler, **kw)
+        seen["restored"] = real_roll_back(ckpt, model, optimizer, scheduler, **kw)
         seen["ckpt"], seen["after"] = ckpt, {k: v.clone() for k, v in model.state_dict().items()}
         seen["on_disk"] = load_file(ckpt / "model.safetensors")
         seen["moments"] = torch.load(ckpt / "optimizer.pt", weights_only=True)["optimizer"]
         seen["live"] = copy.deepcopy(optimizer.state_dict())  # step 5 updates it in place
+        return seen["restored"]
 
     monkeypatch.setattr(reliability_module, "roll_back", roll_back)
     trainer.train()
     out = capsys.readouterr().out
     assert "guard: step 4: 2 consecutive steps with updates skipped" in out
     assert "guard: rolled back to step_000002" in out
-    assert seen["ckpt"].name == "step_000002"
+    assert seen["ckpt"].name == "step_000002" and seen["restored"] == 2
     key = "model.norm.weight"
     assert not torch.equal(seen["before"][key], seen["on_disk"][key])  # wrecked at step 3
     assert all(torch.equal(seen["after"][k], seen["on_disk"][k]) for k in seen["on_disk"])
@@ -191,6 +192,35 @@ def test_fault_streak_rolls_back_to_the_last_good_checkpoint(tmp_path, monkeypat
         last = [r for r in _rows(resumed) if "reward/mean" in r][-1]
         assert last["step"] == 6 and last["guard/rollbacks"] == 1
         assert last["train/lr"] == pytest.approx(1.5e-3, rel=1e-12)
+
+
+def rollback_at(monkeypatch, trainer, step):
+    """The guard fires after ``step`` (a collapse signal, say), whatever the metrics."""
+    guard = trainer.reliability.guard
+    real = guard.observe
+    monkeypatch.setattr(guard, "observe", lambda m: "injected" if trainer.step == step
+                        else real(m))
+
+
+def test_after_a_rollback_an_engine_with_its_own_copy_samples_the_restored_weights(
+        tmp_path, monkeypatch):
+    """rollout.precision=bf16 samples from a copy that the trainer syncs after each update;
+    after a rollback the copy must hold the restored weights before the next rollout, not the
+    discarded ones of the update that was just undone."""
+    trainer = _trainer(tmp_path, "copy", "steps=4", "save_every=1", "rollout.precision=bf16")
+    rollback_at(monkeypatch, trainer, step=2)
+    engine, seen = trainer.engine, []
+    real_generate = engine.generate
+
+    def generate(*args, **kwargs):
+        seen.append(all(torch.equal(c, p.to(c.dtype)) for c, p in
+                        zip(engine.model.parameters(), trainer.model.parameters(), strict=True)))
+        return real_generate(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "generate", generate)
+    trainer.train()
+    assert [r["guard/rollbacks"] for r in _rows(trainer) if "reward/mean" in r] == [0, 1, 1, 1]
+    assert seen == [True] * 4
 
 
 @pytest.mark.parametrize("extra, why", [
