@@ -119,9 +119,12 @@ def load_checkpoint_state(path: Path) -> tuple[dict, dict[str, Any]]:
     return optim_state, json.loads((path / "state.json").read_text())
 
 
-def load_weights(model: Any, path: Path) -> None:
+def load_weights(model: Any, path: Path, load_state: Any = None) -> None:
     """Load the weights of checkpoint ``path`` into ``model`` in place (a LoRA policy: its
-    adapter). Raises if the checkpoint does not cover every parameter."""
+    adapter). Raises if the checkpoint does not cover every parameter. ``load_state(model,
+    weights)``: how a full state dict goes into the model (default ``load_state_dict``; a
+    sharded model needs :func:`gspo.trainer.distributed.full_state_loader`'s), returning its
+    missing and unexpected keys."""
     from safetensors.torch import load_file
 
     if is_peft(model):
@@ -137,12 +140,17 @@ def load_weights(model: Any, path: Path) -> None:
     weights: dict[str, torch.Tensor] = {}
     for f in files:
         weights.update(load_file(f))
-    missing, unexpected = model.load_state_dict(weights, strict=False)
+    missing, unexpected = (model.load_state_dict(weights, strict=False) if load_state is None
+                           else load_state(model, weights))
     # save_pretrained drops tied copies (e.g. an output layer tied to the embeddings): those
     # are the only keys allowed to be missing, and loading the original fills them.
     params = model.state_dict()
-    loaded = {params[k].data_ptr() for k in weights if k in params}
-    untied = [k for k in missing if params[k].data_ptr() not in loaded]
+
+    def storage(t: torch.Tensor) -> int:  # a sharded (DTensor) parameter: its local shard's
+        return (t.to_local() if hasattr(t, "to_local") else t).data_ptr()
+
+    loaded = {storage(params[k]) for k in weights if k in params}
+    untied = [k for k in missing if storage(params[k]) not in loaded]
     if untied or unexpected:
         raise ValueError(f"{path}: weights do not match the model (missing {untied[:3]}, "
                          f"unexpected {list(unexpected)[:3]})")

@@ -293,6 +293,26 @@ def full_model_state(model: Any, d: Dist) -> dict[str, torch.Tensor] | None:
                                                                 cpu_offload=True))
 
 
+def full_state_loader(d: Dist) -> Callable[[Any, dict[str, torch.Tensor]], Any] | None:
+    """How a full state dict (every rank holds every tensor, as read from a checkpoint) goes
+    into the model: under FSDP2 ``set_model_state_dict``, which keeps each rank's shard of it
+    (``load_state_dict`` cannot copy plain tensors into sharded parameters); None (the
+    module's own ``load_state_dict``) else. The loader returns the missing and unexpected
+    keys."""
+    if d.strategy != "fsdp2" or not d.enabled:
+        return None
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.fsdp import FSDPModule
+
+    def load(model: Any, weights: dict[str, torch.Tensor]) -> Any:
+        for m in model.modules():  # a forward with no backward after it (the drift pass)
+            if isinstance(m, FSDPModule):  # leaves the root's parameters gathered
+                m.reshard()
+        return set_model_state_dict(model, weights, options=StateDictOptions(
+            full_state_dict=True, strict=False))
+    return load
+
+
 def optimizer_state(model: Any, optimizer: Any, d: Dist) -> dict[str, Any]:
     """The optimizer state to write into ``optimizer.pt``: ``optimizer.state_dict()``, or under
     FSDP2 the full, parameter-name-keyed state (a collective; complete on rank 0).

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from gspo.trainer.checkpoint import latest_checkpoint, load_checkpoint_state, load_weights
+from gspo.trainer.distributed import Dist, full_state_loader, load_optimizer_state
 
 
 class GuardStop(RuntimeError):
@@ -111,14 +112,20 @@ class Guard:
 
 
 def roll_back(ckpt: Path, model: Any, optimizer: Any, scheduler: Any, *,
-              lr_factor: float = 1.0) -> int:
+              lr_factor: float = 1.0, dist: Dist | None = None) -> int:
     """Load weights and optimizer moments from ``ckpt`` and scale the lr by ``lr_factor``.
     The step, data position, RNG and lr-schedule position stay: the run goes on with fresh
-    prompts and samples instead of replaying the ones that led to the fault. Returns the
-    checkpoint's step: the model holds the weights of that many updates again."""
+    prompts and samples instead of replaying the ones that led to the fault. ``dist``: the
+    run's processes (under FSDP2 the full checkpoint is loaded into each rank's shards, as on
+    resume). Returns the checkpoint's step: the model holds the weights of that many updates
+    again."""
     optim_state, state = load_checkpoint_state(ckpt)
-    load_weights(model, ckpt)
-    optimizer.load_state_dict(optim_state["optimizer"])
+    if dist is None:
+        load_weights(model, ckpt)
+        optimizer.load_state_dict(optim_state["optimizer"])
+    else:
+        load_weights(model, ckpt, full_state_loader(dist))
+        load_optimizer_state(model, optimizer, optim_state["optimizer"], dist)
     # LambdaLR recomputes the lr from base_lrs at every step: scale those (they are saved in
     # the scheduler's state, so a resumed run keeps the lower lr).
     scheduler.base_lrs = [lr * lr_factor for lr in scheduler.base_lrs]

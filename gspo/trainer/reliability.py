@@ -37,11 +37,13 @@ class Reliability:
                   f"(traceback: {self.reward_log.path})", flush=True)
 
     def respond(self, reason: str, step: int, model: Any, optimizer: Any,
-                scheduler: Any) -> str | None:
+                scheduler: Any, dist: Any = None) -> str | None:
         """Act on a guard signal: roll back (None: the run goes on; :attr:`restored_step` is
-        then the step whose weights the model holds again) or the reason to stop."""
+        then the step whose weights the model holds again) or the reason to stop. ``dist``:
+        the run's processes (every rank acts alike; the first one prints)."""
         g = self.cfg
-        print(f"guard: step {step}: {reason}", flush=True)
+        say = print if dist is None or dist.is_main else lambda *a, **k: None
+        say(f"guard: step {step}: {reason}", flush=True)
         if g.on_fault == "stop":
             return reason
         if self.guard.rollbacks >= g.max_rollbacks:
@@ -50,9 +52,10 @@ class Reliability:
         if ckpt is None:
             return f"{reason}; no checkpoint to roll back to (set save_every > 0)"
         factor = g.lr_factor if g.on_fault == "lower_lr" else 1.0
-        self.restored_step = roll_back(ckpt, model, optimizer, scheduler, lr_factor=factor)
+        self.restored_step = roll_back(ckpt, model, optimizer, scheduler, lr_factor=factor,
+                                       dist=dist)
         self.guard.acted(rolled_back=True)
         lr = f", lr now {scheduler.get_last_lr()[0]:.3g}" if factor != 1.0 else ""
-        print(f"guard: rolled back to {ckpt.name} (weights and optimizer){lr}; rollback "
-              f"{self.guard.rollbacks} of at most {g.max_rollbacks}", flush=True)
+        say(f"guard: rolled back to {ckpt.name} (weights and optimizer){lr}; rollback "
+            f"{self.guard.rollbacks} of at most {g.max_rollbacks}", flush=True)
         return None

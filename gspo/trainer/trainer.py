@@ -976,7 +976,7 @@ class Trainer:
         guard = self.reliability.guard
         reason = guard.observe(metrics)
         stop_reason = (self.reliability.respond(reason, self.step, self.model, self.optimizer,
-                                                self.scheduler) if reason else None)
+                                                self.scheduler, self.dist) if reason else None)
         if reason and stop_reason is None:
             metrics.update(self.rolled_back(self.reliability.restored_step))
         metrics.update(guard.metrics())

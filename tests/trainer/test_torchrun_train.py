@@ -168,6 +168,28 @@ def test_async_under_torchrun_matches_one_process_and_resumes(tmp_path, strategy
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("k", [0, 1])
+def test_guard_rollbacks_under_fsdp2_match_one_process(tmp_path, k):
+    """A collapse signal (the step's reward mean 12 below the best so far) rolls the run
+    back on some steps. Under FSDP2 the rollback loads the full checkpoint into each rank's
+    shards (a plain load_state_dict cannot copy into them: the run crashed at the first
+    rollback before 2026-12-07; after the drift pass, a forward with no backward, the root's
+    parameters are still gathered and are resharded first) and the optimizer state by
+    parameter name, so 2 ranks end on the one-process run's weights, with the same
+    rollbacks (async: the same publishes)."""
+    extra = ["dist.strategy=fsdp2", "steps=5", "guard.collapse_window=1",
+             "guard.collapse_reward_drop=12", "guard.max_rollbacks=5", "keep_checkpoints=6",
+             f"rollout.async_steps={k}"]
+    one = _train(tmp_path / "one", *extra, world=1)
+    two = _train(tmp_path / "two", *extra)
+    rollbacks = [r["guard/rollbacks"] for r in _rows(two)]
+    assert rollbacks == [r["guard/rollbacks"] for r in _rows(one)] and rollbacks[-1] >= 1
+    a, b = _weights(one, 5), _weights(two, 5)
+    assert _max_diff({n: a[n] for n in a if n in b}, b) < 1e-5
+    assert _max_diff(_weights(one, 5), _weights(one, 0)) > 1e-4  # it trained in between
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy,model,k", [("ddp", "tiny:llama", 0),
                                               ("fsdp2", "tiny:qwen3_moe", 0),
                                               ("ddp", "tiny:llama", 1),
