@@ -807,6 +807,19 @@ def test_after_a_rollback_no_batch_comes_from_the_discarded_weights(tmp_path, mo
     assert all(torch.equal(published[6][0][k], restored[k]) for k in restored)
     assert drawn == list(range(8))  # the batch sampled again kept its prompts: none drawn anew
     assert len(prompts) == 8
+    # killed after the step-6 checkpoint (written after the rollback, with the batch sampled
+    # again and step 8's in flight): the resumed run ends on the same weights, bit for bit
+    import shutil
+
+    monkeypatch.undo()
+    crashed = tmp_path / "crashed"
+    shutil.copytree(trainer.run_dir, crashed)
+    shutil.rmtree(crashed / "checkpoints" / "step_000008")
+    (crashed / "checkpoints" / "latest").write_text("step_000006")
+    resumed = _trained(_cfg(tmp_path, "rb2", "steps=8", "rollout.async_steps=2", "save_every=2",
+                            "keep_checkpoints=8", "objective.old_logprobs=recompute",
+                            f"resume={crashed}"))
+    _assert_same_run(trainer, resumed, step=8)
 
 
 @pytest.mark.slow
