@@ -112,7 +112,7 @@ class Guard:
 
 
 def roll_back(ckpt: Path, model: Any, optimizer: Any, scheduler: Any, *,
-              lr_factor: float = 1.0, dist: Dist | None = None) -> int:
+              dist: Dist, lr_factor: float = 1.0) -> int:
     """Load weights and optimizer moments from ``ckpt`` and scale the lr by ``lr_factor``.
     The step, data position, RNG and lr-schedule position stay: the run goes on with fresh
     prompts and samples instead of replaying the ones that led to the fault. ``dist``: the
@@ -120,12 +120,8 @@ def roll_back(ckpt: Path, model: Any, optimizer: Any, scheduler: Any, *,
     resume). Returns the checkpoint's step: the model holds the weights of that many updates
     again."""
     optim_state, state = load_checkpoint_state(ckpt)
-    if dist is None:
-        load_weights(model, ckpt)
-        optimizer.load_state_dict(optim_state["optimizer"])
-    else:
-        load_weights(model, ckpt, full_state_loader(dist))
-        load_optimizer_state(model, optimizer, optim_state["optimizer"], dist)
+    load_weights(model, ckpt, full_state_loader(dist))
+    load_optimizer_state(model, optimizer, optim_state["optimizer"], dist)
     # LambdaLR recomputes the lr from base_lrs at every step: scale those (they are saved in
     # the scheduler's state, so a resumed run keeps the lower lr).
     scheduler.base_lrs = [lr * lr_factor for lr in scheduler.base_lrs]

@@ -37,12 +37,12 @@ class Reliability:
                   f"(traceback: {self.reward_log.path})", flush=True)
 
     def respond(self, reason: str, step: int, model: Any, optimizer: Any,
-                scheduler: Any, dist: Any = None) -> str | None:
+                scheduler: Any, dist: Any) -> str | None:
         """Act on a guard signal: roll back (None: the run goes on; :attr:`restored_step` is
         then the step whose weights the model holds again) or the reason to stop. ``dist``:
         the run's processes (every rank acts alike; the first one prints)."""
         g = self.cfg
-        say = print if dist is None or dist.is_main else lambda *a, **k: None
+        say = print if dist.is_main else lambda *a, **k: None
         say(f"guard: step {step}: {reason}", flush=True)
         if g.on_fault == "stop":
             return reason
@@ -52,8 +52,8 @@ class Reliability:
         if ckpt is None:
             return f"{reason}; no checkpoint to roll back to (set save_every > 0)"
         factor = g.lr_factor if g.on_fault == "lower_lr" else 1.0
-        self.restored_step = roll_back(ckpt, model, optimizer, scheduler, lr_factor=factor,
-                                       dist=dist)
+        self.restored_step = roll_back(ckpt, model, optimizer, scheduler, dist=dist,
+                                       lr_factor=factor)
         self.guard.acted(rolled_back=True)
         lr = f", lr now {scheduler.get_last_lr()[0]:.3g}" if factor != 1.0 else ""
         say(f"guard: rolled back to {ckpt.name} (weights and optimizer){lr}; rollback "

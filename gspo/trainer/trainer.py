@@ -977,8 +977,8 @@ class Trainer:
         reason = guard.observe(metrics)
         stop_reason = (self.reliability.respond(reason, self.step, self.model, self.optimizer,
                                                 self.scheduler, self.dist) if reason else None)
-        if reason and stop_reason is None:
-            metrics.update(self.rolled_back(self.reliability.restored_step))
+        if reason and stop_reason is None:  # rolled back (restored_step is set)
+            metrics.update(self.rolled_back(int(self.reliability.restored_step)))
         metrics.update(guard.metrics())
         warning = self.zero_signal.observe(metrics)
         if warning and self.dist.is_main:
@@ -1000,7 +1000,7 @@ class Trainer:
         if cfg.save_every and self.step % cfg.save_every == 0 and self.step < cfg.steps:
             self.save_checkpoint()
 
-    def rolled_back(self, restored: int | None) -> dict[str, float]:
+    def rolled_back(self, restored: int) -> dict[str, float]:
         """After the guard put back the weights of step ``restored``: nothing samples from the
         weights it discarded. An engine with a copy of its own (bf16, vLLM, llama.cpp) takes
         the restored ones now. Async: they are published as this step's version, and the
@@ -1012,8 +1012,7 @@ class Trainer:
             return {}
         with self.dist.full_weights(self.model):
             again = self.async_rollout.rolled_back(
-                self.model, version=self.step, kept=self.step if restored is None else restored,
-                request_for=self._request_for)
+                self.model, version=self.step, kept=restored, request_for=self._request_for)
         return {"guard/resampled_batches": float(again)}
 
     def _finish(self) -> dict[str, Any]:
