@@ -271,16 +271,19 @@ class LoggingConfig:
     samples_every: int = _f(10, "write sample completions to samples.jsonl every k steps (0: off)")
     rollout_check_every: int = _f(
         1, "with objective.old_logprobs=rollout, still recompute π_old every k steps to log the "
-        "rollout-vs-trainer gap and the entropy (0: never, which saves that pass; MoE always "
-        "does); with rollout.async_steps > 0 that pass also gives the staleness drift, and is "
-        "~1/8 of a SmolLM2 step on 1 + 1 threads (docs/scaling.md)")
+        "rollout-vs-trainer gap and the entropy (0: never, which saves that pass); with "
+        "rollout.async_steps > 0 that pass also gives the staleness drift, and is ~1/8 of a "
+        "SmolLM2 step on 1 + 1 threads (docs/scaling.md). Unused (an error to set) where the "
+        "synchronous loop recomputes π_old on every step anyway: old_logprobs=recompute or "
+        "decoupled, or an MoE policy")
     zero_signal_warn_steps: int = _f(
         3, "warn once when more than half of the sampled groups had zero reward variance for "
         "this many consecutive steps (0: never)")
     drift_every: int = _f(
         0, "every k steps, one more log-prob pass after the update to log the policy drift "
         "log π_θ − log π_old apart from the engine mismatch log π_old − log π_rollout "
-        "(drift/*, see docs/corrections.md; 0: off)")
+        "(drift/*, see docs/corrections.md; 0: off); these steps also run the rollout check "
+        "(logging.rollout_check_every) the drift is measured against")
 
 
 @dataclass
@@ -575,6 +578,10 @@ def validate(cfg: TrainConfig) -> None:
     _check(r.decode_matmul != "onednn" or not cfg.device.startswith("cuda"),
            "rollout.decode_matmul=onednn needs the CPU (device=cpu or auto without a GPU)")
     _check(0 < r.vllm_memory_fraction <= 1, "rollout.vllm_memory_fraction must be in (0, 1]")
+    _check(r.engine == "vllm" or r.vllm_memory_fraction == RolloutConfig.vllm_memory_fraction,
+           "rollout.vllm_memory_fraction is used only with rollout.engine=vllm "
+           f"(engine={r.engine})")
+    _check(r.eval_max_new_tokens >= 1, "rollout.eval_max_new_tokens must be >= 1")
     _check(r.max_turns >= 1, "rollout.max_turns must be >= 1")
     _check((r.max_turns > 1) == bool(r.env),
            "rollout.env and rollout.max_turns > 1 go together (an environment answers the turns)")
@@ -615,11 +622,15 @@ def validate(cfg: TrainConfig) -> None:
     n_rollouts = r.group_size * r.prompts_per_step
     _check(1 <= o.num_minibatches <= n_rollouts,
            f"objective.num_minibatches must be in [1, {n_rollouts}] (the rollout batch size)")
+    _check(o.beta < float("inf"), "objective.beta must be a finite number")
     _check(cfg.steps >= 0, "steps must be >= 0")
-    _check(cfg.optim.lr >= 0, "optim.lr must be >= 0")
+    _check(cfg.num_threads >= 0, "num_threads must be >= 0 (0: torch's default)")
+    _check(cfg.save_every >= 0, "save_every must be >= 0 (0: only at the end)")
+    _check(cfg.eval_every >= 0, "eval_every must be >= 0 (0: only before/after)")
+    _validate_optim(cfg.optim)
+    _check(cfg.moe.aux_loss_coef >= 0, "moe.aux_loss_coef must be >= 0 (0 = off)")
     _check(cfg.moe.router_lr_scale > 0,
            f"moe.router_lr_scale must be > 0 (got {cfg.moe.router_lr_scale})")
-    _check(len(cfg.optim.betas) == 2, "optim.betas must have two values")
     _check(cfg.logprob_chunk >= 1, "logprob_chunk must be >= 1")
     _check(not cfg.compile_layers or cfg.lean_forward,
            "compile_layers=true compiles the lean log-prob pass: it needs lean_forward=true")
@@ -649,6 +660,7 @@ def validate(cfg: TrainConfig) -> None:
            "task.prompt_template must contain {problem}")
     _check(t.name == "reasoning_gym" or not t.options,
            f"task.options is used only by task.name=reasoning_gym (task.name={t.name})")
+    _validate_task_fields(t)
     _check(t.name != "reasoning_gym" or bool(t.subset),
            "task.name=reasoning_gym needs task.subset=<dataset> (e.g. chain_sum)")
     _check(t.name != "reasoning_gym" or "numeric_match" not in cfg.reward.functions,
@@ -657,8 +669,14 @@ def validate(cfg: TrainConfig) -> None:
     _check(t.name != "countdown" or "numeric_match" not in cfg.reward.functions,
            "task.name=countdown: numeric_match would reward echoing the target; "
            "use reward.functions=[countdown]")
+    _check(t.chat_template or t.system_prompt == TaskConfig.system_prompt,
+           "task.system_prompt goes into the chat template: it is unused with "
+           "task.chat_template=false")
     lo = cfg.lora
     _check(lo.r >= 0, "lora.r must be >= 0")
+    for name in ("alpha", "dropout", "target_modules"):
+        _check(lo.r > 0 or getattr(lo, name) == getattr(LoRAConfig(), name),
+               f"lora.{name} is used only with lora.r > 0 (LoRA is off)")
     _check(lo.alpha > 0 and 0 <= lo.dropout < 1, "lora.alpha must be > 0, lora.dropout in [0, 1)")
     _check(bool(lo.target_modules), "lora.target_modules must not be empty")
     _check(lo.r == 0 or r.engine in ("hf", "vllm"),
@@ -666,6 +684,7 @@ def validate(cfg: TrainConfig) -> None:
            "is not implemented)")
     _check(cfg.logging.samples_every >= 0, "logging.samples_every must be >= 0")
     _check(cfg.logging.drift_every >= 0, "logging.drift_every must be >= 0")
+    _check(cfg.logging.rollout_check_every >= 0, "logging.rollout_check_every must be >= 0")
     _check(0 <= cfg.reward.overlong_buffer <= r.max_new_tokens,
            "reward.overlong_buffer must be in [0, rollout.max_new_tokens]")
     _check(not cfg.reward.weights or len(cfg.reward.weights) == len(cfg.reward.functions),
@@ -686,6 +705,47 @@ def validate(cfg: TrainConfig) -> None:
            "rollout.prompts_per_step x (rollout.dynamic_max_extra_batches + 1) must be < 65537")
     _check(cfg.logging.zero_signal_warn_steps >= 0, "logging.zero_signal_warn_steps must be >= 0")
     _validate_guard(cfg.guard)
+    _check(cfg.guard.on_fault != "lower_lr" or cfg.save_every > 0 or bool(cfg.resume),
+           "guard.on_fault=lower_lr reloads the last good checkpoint: set save_every > 0 "
+           "(else the first fault can only stop the run)")
+
+
+# What each built-in task reads of TaskConfig beyond eval_size, prompt_field, answer_field,
+# system_prompt and chat_template (tasks registered by users get the whole config).
+_TASK_FIELDS = {
+    "arithmetic": ("levels", "level_weights", "eval_levels", "operations", "prompt_template"),
+    "countdown": ("countdown_numbers",),
+    "gsm8k_mini": (),
+    "jsonl": ("path", "eval_path"),
+    "dataset": ("path", "subset", "split", "eval_split"),
+    "reasoning_gym": ("subset", "options"),
+}
+
+
+def _validate_task_fields(t: TaskConfig) -> None:
+    """A task field set for a built-in task that does not read it is an error."""
+    uses = _TASK_FIELDS.get(t.name)
+    if uses is None:
+        return
+    default = TaskConfig()
+    for name in sorted({f for fields in _TASK_FIELDS.values() for f in fields} - set(uses)):
+        readers = [n for n, fields in _TASK_FIELDS.items() if name in fields]
+        _check(getattr(t, name) == getattr(default, name),
+               f"task.{name} is used only by task.name={' or '.join(readers)} "
+               f"(task.name={t.name})")
+    held_out = (t.name == "jsonl" and t.eval_path) or (t.name == "dataset" and t.eval_split)
+    _check(not held_out or t.eval_size == default.eval_size,
+           "task.eval_size sizes the rows held out of task.path; it is unused with a held-out "
+           f"set of its own (task.{'eval_path' if t.name == 'jsonl' else 'eval_split'})")
+
+
+def _validate_optim(o: OptimConfig) -> None:
+    _check(0 <= o.lr < float("inf"), "optim.lr must be a finite number >= 0")
+    _check(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas),
+           "optim.betas must be two values in [0, 1)")
+    _check(0 <= o.weight_decay < float("inf"), "optim.weight_decay must be a number >= 0")
+    _check(0 <= o.grad_clip < float("inf"), "optim.grad_clip must be a number >= 0 (0 = off)")
+    _check(o.warmup_steps >= 0, "optim.warmup_steps must be >= 0")
 
 
 def _validate_guard(g: GuardConfig) -> None:
@@ -693,8 +753,21 @@ def _validate_guard(g: GuardConfig) -> None:
     _check(0 < g.lr_factor < 1, "guard.lr_factor must be in (0, 1)")
     _check(g.max_rollbacks >= 0, "guard.max_rollbacks must be >= 0")
     _check(g.collapse_window >= 1, "guard.collapse_window must be >= 1")
-    for name in ("collapse_reward_drop", "collapse_entropy_floor", "collapse_ratio_ceiling"):
+    signals = ("collapse_reward_drop", "collapse_entropy_floor", "collapse_ratio_ceiling")
+    for name in signals:
         _check(0 <= getattr(g, name) < float("inf"), f"guard.{name} must be a number >= 0")
+    default = GuardConfig()
+    set_ = [k for k in ("on_fault", "lr_factor", "max_rollbacks")
+            if getattr(g, k) != getattr(default, k)]
+    _check(not set_ or g.max_consecutive_faults > 0 or any(getattr(g, n) for n in signals),
+           f"guard.{set_[0] if set_ else ''} is set but the guard watches nothing "
+           "(guard.max_consecutive_faults=0 and every guard.collapse_* is 0)")
+    _check(g.on_fault == "lower_lr" or g.lr_factor == default.lr_factor,
+           f"guard.lr_factor is used only with guard.on_fault=lower_lr (on_fault={g.on_fault})")
+    _check(g.on_fault != "stop" or g.max_rollbacks == default.max_rollbacks,
+           "guard.max_rollbacks is unused with guard.on_fault=stop (it never rolls back)")
+    _check(g.collapse_reward_drop > 0 or g.collapse_window == default.collapse_window,
+           "guard.collapse_window is the window of guard.collapse_reward_drop, which is 0 (off)")
 
 
 def load_sft_config(path: str | Path | None = None,
@@ -710,6 +783,7 @@ def load_sft_config(path: str | Path | None = None,
            "sft.operations must be a non-empty list of '+', '-', '*'")
     _check(cfg.eval_size >= 0 and cfg.warmup_steps >= 0,
            "sft.eval_size/warmup_steps must be >= 0")
+    _check(cfg.num_threads >= 0, "sft.num_threads must be >= 0 (0: torch's default)")
     return cfg
 
 

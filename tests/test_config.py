@@ -285,6 +285,36 @@ def test_yaml_timestamp_like_override_is_a_string_or_error():
     (["rollout.decode_matmul=mkl"], "rollout.decode_matmul"),
     (["compile_layers=true", "lean_forward=false"], "compile_layers=true"),
     (["lora.r=4", "rollout.engine=llamacpp"], "syncing LoRA weights into llamacpp"),
+    # options the rest of the config leaves unused
+    (["rollout.vllm_memory_fraction=0.5"], "rollout.vllm_memory_fraction is used only"),
+    (["lora.alpha=32"], "lora.alpha is used only with lora.r > 0"),
+    (["lora.target_modules=[q_proj]"], "lora.target_modules is used only"),
+    (["guard.on_fault=stop", "guard.lr_factor=0.2"], "guard.lr_factor is used only"),
+    (["guard.on_fault=stop", "guard.max_rollbacks=5"], "guard.max_rollbacks is unused"),
+    (["guard.collapse_window=10"], "guard.collapse_window is the window"),
+    (["guard.max_consecutive_faults=0", "guard.on_fault=stop"], "the guard watches nothing"),
+    (["guard.on_fault=lower_lr"], "guard.on_fault=lower_lr reloads the last good checkpoint"),
+    (["task.name=countdown", "task.levels=[3]"], "task.levels is used only by task.name="
+                                                 "arithmetic (task.name=countdown)"),
+    (["task.name=dataset", "task.path=x", "task.eval_path=y.jsonl"],
+     "task.eval_path is used only by task.name=jsonl"),
+    (["task.name=jsonl", "task.path=x", "task.split=test"], "task.split is used only"),
+    (["task.countdown_numbers=4"], "task.countdown_numbers is used only"),
+    (["task.name=jsonl", "task.path=x", "task.eval_path=y", "task.eval_size=5"],
+     "task.eval_size sizes the rows held out"),
+    (["task.chat_template=false", "task.system_prompt=Be brief."], "task.system_prompt goes"),
+    # values that used to pass and fail late (or act oddly)
+    (["num_threads=-1"], "num_threads must be >= 0"),
+    (["rollout.eval_max_new_tokens=0"], "rollout.eval_max_new_tokens must be >= 1"),
+    (["optim.betas=[0.9,1.5]"], "optim.betas must be two values in [0, 1)"),
+    (["optim.weight_decay=-0.1"], "optim.weight_decay"),
+    (["optim.grad_clip=-1"], "optim.grad_clip"),
+    (["optim.warmup_steps=-3"], "optim.warmup_steps"),
+    (["save_every=-1"], "save_every must be >= 0"),
+    (["eval_every=-2"], "eval_every must be >= 0"),
+    (["logging.rollout_check_every=-1"], "logging.rollout_check_every must be >= 0"),
+    (["moe.aux_loss_coef=-1"], "moe.aux_loss_coef"),
+    (["objective.beta=inf"], "objective.beta must be a finite number"),
 ])
 def test_cross_field_checks(overrides, needle):
     with pytest.raises(ConfigError) as e:
@@ -295,11 +325,11 @@ def test_cross_field_checks(overrides, needle):
 def test_cross_field_accepts_edges():
     cfg = load_config(None, ["rollout.group_size=2", "rollout.prompts_per_step=2",
                              "objective.num_minibatches=4", "task.levels=[1,2,3]",
-                             "task.level_weights=[1, 0, 2]", "task.name=jsonl",
-                             "task.path=/some/file.jsonl", "objective.eps_low=0.2",
+                             "task.level_weights=[1, 0, 2]", "objective.eps_low=0.2",
                              "objective.eps_high=0.27"])
     assert cfg.objective.num_minibatches == 4
     assert cfg.task.level_weights == [1.0, 0.0, 2.0]
+    assert load_config(None, ["task.name=jsonl", "task.path=/some/file.jsonl"]).task.path
     # the packed decode takes a bf16 rollout copy and a bf16 policy too
     for extra in ("rollout.precision=bf16", "dtype=bfloat16"):
         assert load_config(None, ["rollout.decode_matmul=onednn", extra]).rollout.decode_matmul \

@@ -96,7 +96,7 @@ def test_python_api_with_records_raw_prompts_and_trackers(tmp_path, monkeypatch)
     cfg = TrainConfig(steps=1, output_dir=str(tmp_path), run_name="api", progress=False,
                       num_threads=1,
                       tensorboard=False, eval_before=False,
-                      task=TaskConfig(chat_template=False, system_prompt="ignored", eval_size=2),
+                      task=TaskConfig(chat_template=False, eval_size=2),
                       rollout=RolloutConfig(prompts_per_step=2, group_size=2, max_new_tokens=3,
                                             eval_max_new_tokens=3),
                       logging=LoggingConfig(wandb_project="p", trackio_project="p"))

@@ -40,7 +40,7 @@ from gspo.objectives.loss_terms import (
     token_share,
 )
 from gspo.objectives.policy_losses import aggregation_row_weights, response_lengths
-from gspo.objectives.registry import EXTRA_STAT_KINDS, OBJECTIVES, ROW_WEIGHTS
+from gspo.objectives.registry import EXTRA_STAT_KINDS, OBJECTIVES, OPTION_CHECKS, ROW_WEIGHTS
 
 __all__ = [
     "binary_kl",
@@ -71,6 +71,12 @@ def _positive(name: str, value: float) -> None:
         raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
 
 
+def _share(name: str, value: float) -> None:
+    if not 0 < value <= 1:
+        raise ValueError(f"{name} must be a share of the response tokens in (0, 1], "
+                         f"got {value!r}")
+
+
 # --------------------------------------------------------------------------- SAPO
 
 
@@ -93,8 +99,7 @@ def sapo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: 
     old_logprobs, advantages, τ. No hard clip: the clip stats are 0; ``objective/gate_weight_
     mean``/``_min`` report g over response tokens.
     """
-    _positive("tau_pos", tau_pos)
-    _positive("tau_neg", tau_neg)
+    _check_sapo(tau_pos=tau_pos, tau_neg=tau_neg)
     b = prepare(logprobs, old_logprobs, mask, 0.0, 0.0, beta, ref_logprobs)
     adv = token_advantages(advantages, b)  # Â_it [B, T]
     w = exp_clamped(b.log_ratio)  # w_it [B, T]
@@ -110,6 +115,12 @@ def sapo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: 
     stats["objective/gate_weight_min"] = torch.where(
         on, torch.where(b.mask, g, torch.inf).min(), 0.0).float()
     return loss, stats
+
+
+@OPTION_CHECKS.register("sapo")
+def _check_sapo(*, tau_pos: float, tau_neg: float, **_: Any) -> None:
+    _positive("tau_pos", tau_pos)
+    _positive("tau_neg", tau_neg)
 
 
 ROW_WEIGHTS.register("sapo")(aggregation_row_weights)
@@ -182,9 +193,7 @@ def dppo_tv_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mas
     mask, the truncation factor, old_logprobs, advantages. Clip stats count masked tokens
     (high: Â > 0, low: Â < 0). Defaults δ = 0.15 (the paper's verl recipe).
     """
-    for name, v in (("tv_delta_low", tv_delta_low), ("tv_delta_high", tv_delta_high),
-                    ("ratio_cap", ratio_cap)):
-        _positive(name, v)
+    _check_dppo_tv(tv_delta_low=tv_delta_low, tv_delta_high=tv_delta_high, ratio_cap=ratio_cap)
     b = prepare(logprobs, old_logprobs, mask, 0.0, 0.0, beta, ref_logprobs)
     adv = token_advantages(advantages, b)
     delta = b.logprobs.detach().exp() - _old_logprobs(b).exp()  # Δ_it [B, T]
@@ -214,9 +223,7 @@ def dppo_kl_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mas
     advantage's direction: keep = (D ≤ δ_high) or (π ≤ π_old) for Â > 0, keep = (D ≤ δ_low)
     or (π ≥ π_old) for Â ≤ 0. Defaults δ = 0.05 (the paper's verl recipe).
     """
-    for name, v in (("kl_delta_low", kl_delta_low), ("kl_delta_high", kl_delta_high),
-                    ("ratio_cap", ratio_cap)):
-        _positive(name, v)
+    _check_dppo_kl(kl_delta_low=kl_delta_low, kl_delta_high=kl_delta_high, ratio_cap=ratio_cap)
     b = prepare(logprobs, old_logprobs, mask, 0.0, 0.0, beta, ref_logprobs)
     adv = token_advantages(advantages, b)
     old = _old_logprobs(b)
@@ -225,6 +232,22 @@ def dppo_kl_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mas
     fell = b.log_ratio.detach() <= 0
     keep = torch.where(adv > 0, (div <= kl_delta_high) | fell, (div <= kl_delta_low) | rose)
     return _dppo(b, adv, keep, ratio_cap, beta, aggregation, norm_constant)
+
+
+@OPTION_CHECKS.register("dppo_tv")
+def _check_dppo_tv(*, tv_delta_low: float, tv_delta_high: float, ratio_cap: float,
+                   **_: Any) -> None:
+    for name, v in (("tv_delta_low", tv_delta_low), ("tv_delta_high", tv_delta_high),
+                    ("ratio_cap", ratio_cap)):
+        _positive(name, v)
+
+
+@OPTION_CHECKS.register("dppo_kl")
+def _check_dppo_kl(*, kl_delta_low: float, kl_delta_high: float, ratio_cap: float,
+                   **_: Any) -> None:
+    for name, v in (("kl_delta_low", kl_delta_low), ("kl_delta_high", kl_delta_high),
+                    ("ratio_cap", ratio_cap)):
+        _positive(name, v)
 
 
 for _name in ("dppo_tv", "dppo_kl"):
@@ -276,9 +299,8 @@ def clip_cov_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, ma
     Stop-gradient: old_logprobs, advantages, the selected tokens' terms.
     ``objective/cov_detached_frac_tokens``: share of tokens detached.
     """
-    _positive("clip_cov_ratio", clip_cov_ratio)
-    if not clip_cov_lb < clip_cov_ub:
-        raise ValueError(f"clip_cov_lb must be < clip_cov_ub, got {clip_cov_lb}, {clip_cov_ub}")
+    _check_clip_cov(clip_cov_ratio=clip_cov_ratio, clip_cov_lb=clip_cov_lb,
+                    clip_cov_ub=clip_cov_ub)
     b = prepare(logprobs, old_logprobs, mask, eps_low, eps_high, beta, ref_logprobs)
     adv = token_advantages(advantages, b)
     w = exp_clamped(b.log_ratio)
@@ -310,9 +332,7 @@ def kl_cov_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask
     sees. Shapes as in GRPO. Stop-gradient: old_logprobs, advantages, the selection.
     No ratio clip (clip stats 0); ``objective/kl_cov_frac_tokens``: share penalised.
     """
-    _positive("kl_cov_ratio", kl_cov_ratio)
-    if not 0 <= kl_cov_coef < float("inf"):
-        raise ValueError(f"kl_cov_coef must be a finite number >= 0, got {kl_cov_coef!r}")
+    _check_kl_cov(kl_cov_ratio=kl_cov_ratio, kl_cov_coef=kl_cov_coef)
     b = prepare(logprobs, old_logprobs, mask, 0.0, 0.0, beta, ref_logprobs)
     adv = token_advantages(advantages, b)
     w = exp_clamped(b.log_ratio)
@@ -325,6 +345,21 @@ def kl_cov_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask
                          low=_no_clip(b), beta=beta, weight=weight)
     stats["objective/kl_cov_frac_tokens"] = token_share(chosen, b)
     return loss, stats
+
+
+@OPTION_CHECKS.register("clip_cov")
+def _check_clip_cov(*, clip_cov_ratio: float, clip_cov_lb: float, clip_cov_ub: float,
+                    **_: Any) -> None:
+    _share("clip_cov_ratio", clip_cov_ratio)
+    if not clip_cov_lb < clip_cov_ub:
+        raise ValueError(f"clip_cov_lb must be < clip_cov_ub, got {clip_cov_lb}, {clip_cov_ub}")
+
+
+@OPTION_CHECKS.register("kl_cov")
+def _check_kl_cov(*, kl_cov_ratio: float, kl_cov_coef: float, **_: Any) -> None:
+    _share("kl_cov_ratio", kl_cov_ratio)
+    if not 0 <= kl_cov_coef < float("inf"):
+        raise ValueError(f"kl_cov_coef must be a finite number >= 0, got {kl_cov_coef!r}")
 
 
 for _name in ("clip_cov", "kl_cov"):

@@ -14,8 +14,12 @@
   kinds of the stats that loss returns beyond the shared
   :data:`gspo.objectives.policy_losses.STAT_KINDS` (e.g. SAPO's gate weight), registered beside
   the loss; :attr:`gspo.objectives.Objective.stat_kinds` merges them.
+* ``OPTION_CHECKS``: per objective name, a callable taking the bound options as keywords and
+  raising ``ValueError`` (its message starting with the option's name) for a value the loss
+  cannot use; the loss runs the same check, and binding runs it first, so a bad value stops
+  a run before it starts (:func:`gspo.objectives.bind_objective`).
 
-All four are :class:`gspo.registry.Registry` instances.
+All five are :class:`gspo.registry.Registry` instances.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ __all__ = [
     "ADVANTAGES",
     "EXTRA_STAT_KINDS",
     "OBJECTIVES",
+    "OPTION_CHECKS",
     "ROW_WEIGHTS",
     "AdvantageFn",
     "PolicyLossFn",
@@ -84,3 +89,4 @@ OBJECTIVES: Registry[PolicyLossFn] = Registry("objective")
 ADVANTAGES: Registry[AdvantageFn] = Registry("advantage estimator")
 ROW_WEIGHTS: Registry[RowWeightFn] = Registry("row-weight rule")
 EXTRA_STAT_KINDS: Registry[Callable[[], Mapping[str, str]]] = Registry("stat-kind table")
+OPTION_CHECKS: Registry[Callable[..., None]] = Registry("option check")

@@ -25,7 +25,14 @@ from gspo.objectives.corrections import CORRECTION_STAT_KINDS, BoundCorrection, 
 from gspo.objectives.corrections import bind_correction as _bind_correction
 from gspo.objectives.loss_terms import LOG_RATIO_CLAMP
 from gspo.objectives.policy_losses import STAT_KINDS, valid_row_weights
-from gspo.objectives.registry import EXTRA_STAT_KINDS, OBJECTIVES, ROW_WEIGHTS, PolicyLossFn
+from gspo.objectives.registry import (
+    ADVANTAGES,
+    EXTRA_STAT_KINDS,
+    OBJECTIVES,
+    OPTION_CHECKS,
+    ROW_WEIGHTS,
+    PolicyLossFn,
+)
 
 __all__ = ["TRAINER_FIELDS", "Objective", "bind_objective", "loss_options", "token_ratio_mean"]
 
@@ -147,8 +154,9 @@ def bind_objective(name: str, values: Mapping[str, Any],
     ``values``: the fields of a :class:`gspo.config.ObjectiveConfig` (``dataclasses.asdict``);
     ``defaults``: the same for ``ObjectiveConfig()``. A field named like one of the loss's
     options is passed to it; :data:`TRAINER_FIELDS` never are; any other field must keep its
-    default, else :class:`gspo.config.ConfigError` names the field and the loss. An unknown
-    name raises :class:`gspo.objectives.UnknownNameError`.
+    default, else :class:`gspo.config.ConfigError` names the field and the loss; so does a
+    value the loss's ``OPTION_CHECKS`` entry refuses. An unknown name raises
+    :class:`gspo.objectives.UnknownNameError`.
     """
     takes = loss_options(name)
     options: dict[str, Any] = {}
@@ -158,6 +166,10 @@ def bind_objective(name: str, values: Mapping[str, Any],
         elif key not in TRAINER_FIELDS and (key not in defaults or value != defaults[key]):
             raise ConfigError(f"objective.{key}={value!r}: objective {name!r} does not take "
                               f"this option (its options: {', '.join(takes)})")
+    try:
+        OPTION_CHECKS.get(name, lambda **_: None)(**options)
+    except ValueError as e:  # its message names the option
+        raise ConfigError(f"objective.{e} (objective {name!r})") from None
     return Objective(name, options)
 
 
@@ -166,6 +178,9 @@ def objective_from_config(cfg: ObjectiveConfig) -> Objective:
     ``objective.correction`` bound (:func:`gspo.objectives.corrections.bind_correction`)."""
     objective = bind_objective(cfg.name, dataclasses.asdict(cfg),
                                dataclasses.asdict(ObjectiveConfig()))
+    if cfg.advantage not in ADVANTAGES:
+        raise ConfigError(f"objective.advantage: unknown estimator {cfg.advantage!r} (choose "
+                          f"{', '.join(ADVANTAGES.names())})")
     correction = _bind_correction(dataclasses.asdict(cfg.correction),
                                   dataclasses.asdict(CorrectionConfig()), objective=cfg.name,
                                   objective_options=objective.options,

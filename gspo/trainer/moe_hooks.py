@@ -191,9 +191,11 @@ def policy_hooks(model: Any, cfg: MoEConfig, caps: EngineCapabilities, *,
     routing, are a :class:`ConfigError` (``engine``, ``name``: the engine's and the model's
     names, for the message)."""
     if not is_moe(model):
-        if cfg.routing_replay != "off" or cfg.aux_loss_coef > 0 or cfg.router_lr_scale != 1:
-            raise ConfigError("moe.routing_replay / moe.aux_loss_coef / moe.router_lr_scale "
-                              f"need a Mixture-of-Experts model; {name} is dense")
+        if (cfg.routing_replay != "off" or cfg.aux_loss_coef > 0 or cfg.router_lr_scale != 1
+                or not cfg.log_routing_change):
+            raise ConfigError("moe.routing_replay / moe.aux_loss_coef / moe.router_lr_scale / "
+                              f"moe.log_routing_change need a Mixture-of-Experts model; {name} "
+                              "is dense")
         return NO_MOE
     if cfg.routing_replay == "r3" and caps.routing_unsupported:
         raise ConfigError("moe.routing_replay=r3 needs rollout-recorded routing, which "

@@ -26,7 +26,14 @@ import torch
 import yaml
 from tqdm.auto import tqdm
 
-from gspo.config import ConfigError, TrainConfig, to_dict, validate
+from gspo.config import (
+    ConfigError,
+    LoggingConfig,
+    RolloutConfig,
+    TrainConfig,
+    to_dict,
+    validate,
+)
 from gspo.data import build_task, format_prompt
 from gspo.data.hf import task_from_records
 from gspo.models import load_model, token_logprobs
@@ -245,6 +252,7 @@ class Trainer:
         self._start_engine()  # on the final policy, once the config fits what it can do
         self._choose_passes()
         # The pipeline's process starts at the end of setup, on the restored weights.
+        self._check_unused_options()
         self.async_rollout = self._async_rollout(cfg.rollout.async_steps)
         self.optimizer = torch.optim.AdamW(
             self.hooks.param_groups(self.model, cfg.optim.lr), lr=cfg.optim.lr,
@@ -386,14 +394,13 @@ class Trainer:
             raise ConfigError(f"rollout.async_engines={n}: each engine needs a prompt, but a "
                               f"trainer process has {cfg.rollout.prompts_per_step // world} "
                               "(rollout.prompts_per_step / processes)")
-        every = cfg.logging.rollout_check_every
         # The engine process runs the trainer's pass on the behaviour weights: π_old for
         # recompute, and for an MoE policy π_old's routing (unless π_old is the proximal policy)
         behaviour_pass = (cfg.objective.old_logprobs == "recompute"
                           or self._behaviour_routing())
         return AsyncRollout(
             k=k, total_steps=cfg.steps, draw=self._request,
-            check=lambda step: behaviour_pass or (every > 0 and step % every == 0),
+            check=lambda step: behaviour_pass or self._measuring_step(step),
             engine=cfg.rollout.engine, opts=self.engine_opts,
             threads=cfg.rollout.async_threads if k > 0 else torch.get_num_threads(),
             logprob_fn=self.logprob_fn,
@@ -677,11 +684,40 @@ class Trainer:
     def _recompute_old(self) -> bool:
         """Whether this step runs the trainer's π_old pass: always for ``old_logprobs=recompute``
         and for MoE policies (their routing; async: the engine process records the behaviour
-        policy's, see :meth:`_behaviour_routing`), else every ``logging.rollout_check_every``
-        steps (async: only then, and it measures the staleness drift)."""
-        every = self.cfg.logging.rollout_check_every
+        policy's, see :meth:`_behaviour_routing`), else on measuring steps (async: only then,
+        and it measures the staleness drift)."""
         return (self._old_is_current() or (self.hooks.active and not self._behaviour_routing())
-                or (every > 0 and self.step % every == 0))
+                or self._measuring_step(self.step))
+
+    def _measuring_step(self, step: int) -> bool:
+        """Whether ``step`` runs the passes that measure the engine against the trainer (the
+        rollout-vs-trainer gap; async: the staleness drift): every
+        ``logging.rollout_check_every`` steps, and on the ``logging.drift_every`` steps,
+        whose policy drift is measured against them (see gspo.trainer.mismatch)."""
+        log = self.cfg.logging
+        return any(every > 0 and step % every == 0
+                   for every in (log.rollout_check_every, log.drift_every))
+
+    def _check_unused_options(self) -> None:
+        """Options this run would not read, once the task, the policy's hooks and the loop
+        (:attr:`engine_process`: the pipeline, or the synchronous loop) are known."""
+        cfg = self.cfg
+        every = cfg.logging.rollout_check_every
+        if (not self.engine_process and every != LoggingConfig.rollout_check_every
+                and (self._old_is_current() or self.hooks.active)):
+            why = ("an MoE policy's routing" if self.hooks.active and not self._old_is_current()
+                   else f"objective.old_logprobs={cfg.objective.old_logprobs}")
+            raise ConfigError(f"logging.rollout_check_every={every}: this run recomputes π_old "
+                              f"on every step ({why}), so it is unused; it applies to "
+                              "objective.old_logprobs=rollout and to rollout.async_steps > 0")
+        if not self.task.eval_examples:
+            for key, value, default in (
+                    ("eval_every", cfg.eval_every, 0),
+                    ("rollout.eval_max_new_tokens", cfg.rollout.eval_max_new_tokens,
+                     RolloutConfig.eval_max_new_tokens)):
+                if value != default:
+                    raise ConfigError(f"{key}={value}: there is no held-out set to evaluate "
+                                      "(task.eval_size=0, or no eval rows)")
 
     def update_batch(self, roll: Rollout, adv: torch.Tensor, plan: UpdatePlan
                      ) -> tuple[UpdateBatch, OldPolicy]:

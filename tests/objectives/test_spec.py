@@ -20,6 +20,7 @@ from gspo.objectives import (
     bind_objective,
     gspo_loss,
     loss_options,
+    objective_from_config,
 )
 from gspo.objectives.spec import _option_defaults
 
@@ -71,6 +72,34 @@ def test_gspo_takes_aggregation():
     assert _bind(name="gspo").options == {"eps_low": 3e-4, "eps_high": 4e-4, "beta": 0.0,
                                           "aggregation": "sequence"}
     assert _bind(name="gspo", aggregation="token").options["aggregation"] == "token"
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"name": "sapo", "tau_pos": -1.0}, "objective.tau_pos must be a finite number > 0"),
+    ({"name": "dppo_tv", "tv_delta_low": -1.0}, "objective.tv_delta_low must be"),
+    ({"name": "dppo_kl", "kl_delta_high": 0.0}, "objective.kl_delta_high must be"),
+    ({"name": "dppo_kl", "ratio_cap": float("inf")}, "objective.ratio_cap must be"),
+    ({"name": "clip_cov", "clip_cov_lb": 6.0, "clip_cov_ub": 5.0},
+     "objective.clip_cov_lb must be < clip_cov_ub"),
+    ({"name": "clip_cov", "clip_cov_ratio": 2.0}, "objective.clip_cov_ratio must be a share"),
+    ({"name": "kl_cov", "kl_cov_ratio": 2.0}, "objective.kl_cov_ratio must be a share"),
+    ({"name": "kl_cov", "kl_cov_coef": -1.0}, "objective.kl_cov_coef must be"),
+])
+def test_a_value_the_loss_refuses_is_a_config_error_at_bind_time(fields, message):
+    """Each loss's own option check (``OPTION_CHECKS``) runs when the objective is bound, so
+    `gspo validate` and setup refuse the value, naming the field, before the first update."""
+    with pytest.raises(ConfigError, match=f"^{message}.*\\(objective '{fields['name']}'\\)$"):
+        _bind(**fields)
+    bound = _bind(name=fields["name"])  # the defaults pass; the loss runs the same check
+    options = {**bound.options, **{k: v for k, v in fields.items() if k != "name"}}
+    lp, old, adv, mask, _ = _batch()
+    with pytest.raises(ValueError, match=message.removeprefix("objective.")):
+        OBJECTIVES[fields["name"]](lp, old, adv, mask, **options)
+
+
+def test_an_unknown_advantage_estimator_is_a_config_error_at_bind_time():
+    with pytest.raises(ConfigError, match=r"objective\.advantage: unknown estimator 'nope'"):
+        objective_from_config(ObjectiveConfig(advantage="nope"))
 
 
 def test_unknown_objective_name():

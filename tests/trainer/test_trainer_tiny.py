@@ -1,6 +1,7 @@
 """The whole loop on a tiny model: reward rises, checkpoints resume bit-exactly."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -203,6 +204,41 @@ def test_rollout_logprobs_skip_the_old_pass_except_on_check_steps(tmp_path, monk
     assert len(calls) == 2  # steps 0 and 2 of 0, 1, 2
     assert ["train/entropy" in r for r in rows] == [True, False, True]
     assert all("objective/clip_frac_tokens" in r for r in rows)
+
+
+def test_drift_steps_run_the_check_pass_the_drift_is_measured_against(tmp_path, monkeypatch):
+    """logging.drift_every with no rollout check on its steps (old_logprobs=rollout,
+    rollout_check_every=0): the drift needs π_old on this step's weights, so those steps run
+    the π_old pass too and log drift/* (the pass after the update ran, and was thrown away)."""
+    trainer = Trainer(_cfg(tmp_path, "drift", "steps=3", "eval_before=false", "task.eval_size=0",
+                           "objective.old_logprobs=rollout", "logging.rollout_check_every=0",
+                           "logging.drift_every=2"), reward_fns=[starts_with_digit]).setup()
+    calls = []
+    real = trainer.old_logprobs
+    monkeypatch.setattr(trainer, "old_logprobs",
+                        lambda b, rows=None: calls.append(1) or real(b, rows))
+    trainer.train()
+    rows = [json.loads(x) for x in open(trainer.run_dir / "metrics.jsonl")]
+    rows = [r for r in rows if "reward/mean" in r]
+    assert len(calls) == 4  # π_old and the drift pass on steps 0 and 2
+    assert ["drift/seq_log_ratio_abs_p50" in r for r in rows] == [True, False, True]
+    assert ["mismatch/k3_kl" in r for r in rows] == [True, False, True]
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["logging.rollout_check_every=2"], "logging.rollout_check_every=2: this run recomputes"),
+    (["objective.old_logprobs=decoupled", "objective.correction.name=tis",
+      "logging.rollout_check_every=0"], "objective.old_logprobs=decoupled"),
+    (["eval_every=2", "task.eval_size=0"], "eval_every=2: there is no held-out set"),
+    (["rollout.eval_max_new_tokens=4", "task.eval_size=0"], "rollout.eval_max_new_tokens=4"),
+    (["moe.log_routing_change=false"], "moe.log_routing_change need a Mixture-of-Experts"),
+])
+def test_options_this_run_would_not_read_stop_it_at_setup(tmp_path, extra, needle):
+    """Options that only the config, the policy and the loop together show to be unused are
+    an error at setup, before the run folder is written."""
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        Trainer(_cfg(tmp_path, "unused", "steps=1", *extra), reward_fns=[char_codes]).setup()
+    assert not (tmp_path / "unused").exists()
 
 
 def _train_counting_pass_rows(t, monkeypatch):
