@@ -11,9 +11,17 @@ import types
 from pathlib import Path
 
 import pytest
+import torch
 
 from gspo import TrainConfig, Trainer
-from gspo.config import LoggingConfig, RewardConfig, RolloutConfig, TaskConfig
+from gspo.config import (
+    LoggingConfig,
+    ObjectiveConfig,
+    OptimConfig,
+    RewardConfig,
+    RolloutConfig,
+    TaskConfig,
+)
 from gspo.models.tiny import build_tiny
 from gspo.trainer.samples import write_samples
 
@@ -79,6 +87,7 @@ def test_python_api_with_records_raw_prompts_and_trackers(tmp_path, monkeypatch)
     trackio = types.SimpleNamespace(init=lambda **kw: calls.append(("trackio.init", kw)),
                                     log=lambda m, step: calls.append(("trackio.log", step)),
                                     finish=lambda: calls.append(("trackio.finish",)))
+    model, tok = build_tiny("llama")  # before the stand-ins: transformers looks for wandb
     monkeypatch.setitem(sys.modules, "wandb", wandb)
     monkeypatch.setitem(sys.modules, "trackio", trackio)
     import gspo.rollout.hf_engine as engine_module
@@ -91,7 +100,6 @@ def test_python_api_with_records_raw_prompts_and_trackers(tmp_path, monkeypatch)
         return real_generate(model, prompts, **kw)
 
     monkeypatch.setattr(engine_module, "generate", spy)
-    model, tok = build_tiny("llama")
     data = [{"prompt": f"{i}+1=", "answer": str(i + 1), "level": 7} for i in range(10)]
     cfg = TrainConfig(steps=1, output_dir=str(tmp_path), run_name="api", progress=False,
                       num_threads=1,
@@ -138,3 +146,79 @@ def test_write_samples(tmp_path):
         {"step": 3, "prompt": "p", "completion": "b", "reward": None, "answer": "1",
          "rewards": {"f": None}},
     ]
+
+
+def test_api_resume_with_a_model_passed_in_continues_from_the_checkpoint(tmp_path):
+    """``Trainer(cfg, model=..., resume=run)``: the model passed in is the run's initial
+    policy; the resumed run trains on from the checkpoint's weights (it trained on from the
+    initial ones, with the checkpoint's optimizer, step and data position), and its KL
+    reference stays the initial policy. The resumed run ends where an uninterrupted one does."""
+    def cfg(name, steps, **kw):
+        return TrainConfig(steps=steps, output_dir=str(tmp_path), run_name=name, progress=False,
+                           num_threads=1, tensorboard=False, eval_before=False, save_every=1,
+                           task=TaskConfig(eval_size=2),
+                           rollout=RolloutConfig(prompts_per_step=2, group_size=4,
+                                                 max_new_tokens=3, eval_max_new_tokens=3,
+                                                 temperature=1.0),
+                           optim=OptimConfig(lr=3e-3),
+                           objective=ObjectiveConfig(num_minibatches=2, beta=0.1), **kw)
+
+    def weights(model):
+        return {k: v.clone() for k, v in model.state_dict().items()}
+
+    whole = Trainer(cfg("whole", 3), model=build_tiny("llama")[0], tokenizer=build_tiny("llama")[1],
+                    reward_fns=[starts_with_digit]).setup()
+    initial = weights(whole.model)
+    whole.train()
+    cut = Trainer(cfg("cut", 2), model=build_tiny("llama")[0], tokenizer=build_tiny("llama")[1],
+                  reward_fns=[starts_with_digit]).setup()
+    cut.train()
+    at_2 = weights(cut.model)
+    resumed = Trainer(cfg("cut", 3, resume=str(cut.run_dir)), model=build_tiny("llama")[0],
+                      tokenizer=build_tiny("llama")[1], reward_fns=[starts_with_digit]).setup()
+    assert resumed.step == 2
+    assert all(torch.equal(v, at_2[k]) for k, v in resumed.model.state_dict().items())
+    assert all(torch.equal(v, initial[k]) for k, v in resumed.ref_model.state_dict().items())
+    resumed.train()
+    assert all(torch.equal(v, whole.model.state_dict()[k])
+               for k, v in resumed.model.state_dict().items())
+
+
+def test_a_resumed_run_continues_its_tracker_runs(tmp_path, monkeypatch):
+    """W&B and trackio: a resumed run continues the tracker run it started (W&B by the id the
+    run folder keeps, trackio by the run's name) instead of opening a second one."""
+    inits: list[tuple[str, dict]] = []
+
+    class Run:
+        def log(self, metrics, step):
+            pass
+
+        def finish(self):
+            pass
+
+    models = [build_tiny("llama") for _ in range(2)]  # before the stand-ins (as above)
+    for name in ("wandb", "trackio"):
+        module = types.SimpleNamespace(
+            init=lambda _name=name, **kw: inits.append((_name, kw)) or Run(),
+            log=lambda m, step: None, finish=lambda: None)
+        monkeypatch.setitem(sys.modules, name, module)
+
+    def run(steps, **kw):
+        cfg = TrainConfig(steps=steps, output_dir=str(tmp_path), run_name="t", progress=False,
+                          num_threads=1, tensorboard=False, eval_before=False, save_every=1,
+                          task=TaskConfig(eval_size=0),
+                          rollout=RolloutConfig(prompts_per_step=2, group_size=2,
+                                                max_new_tokens=2),
+                          logging=LoggingConfig(wandb_project="p", trackio_project="p"), **kw)
+        cfg.objective.num_minibatches = 2
+        model, tok = models.pop()
+        Trainer(cfg, model=model, tokenizer=tok, reward_fns=[starts_with_digit]).setup().train()
+
+    run(1)
+    run(2, resume=str(tmp_path / "t"))
+    (w1, first), (t1, first_t), (w2, again), (t2, again_t) = inits
+    assert (w1, t1, w2, t2) == ("wandb", "trackio", "wandb", "trackio")
+    assert first["id"] == again["id"] and len(first["id"]) == 16
+    assert first["resume"] == again["resume"] == "allow"
+    assert "resume" not in first_t and again_t["resume"] == "allow"
+    assert first_t["name"] == again_t["name"] == "t"

@@ -9,12 +9,14 @@ only (``adapter_model.safetensors`` + ``adapter_config.json``); ``gspo export``
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from gspo.config import ConfigError
 from gspo.models.loading import ModelError
 from gspo.models.logprobs import token_logprobs
 
@@ -46,6 +48,7 @@ def apply_lora(model: Any, cfg: Any, *, adapter_dir: str | Path | None = None) -
     if is_peft(model):
         raise ValueError("the model already carries a PEFT adapter; set lora.r=0 to train it")
     if adapter_dir is not None:
+        _check_saved_adapter(Path(adapter_dir), cfg)
         return PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=True)
     targets = cfg.target_modules
     lora = LoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
@@ -54,6 +57,22 @@ def apply_lora(model: Any, cfg: Any, *, adapter_dir: str | Path | None = None) -
         return get_peft_model(model, lora)
     except ValueError as e:  # e.g. no module matches target_modules
         raise ModelError(f"lora: {str(e).strip().splitlines()[0]}") from None
+
+
+def _check_saved_adapter(adapter_dir: Path, cfg: Any) -> None:
+    """A resumed run keeps its saved adapter's shape: ``lora.*`` values that differ from it
+    would be ignored, so they are a :class:`gspo.config.ConfigError`."""
+    saved = json.loads((adapter_dir / "adapter_config.json").read_text())
+    pairs = [("r", cfg.r, saved.get("r")), ("alpha", cfg.alpha, saved.get("lora_alpha")),
+             ("dropout", cfg.dropout, saved.get("lora_dropout"))]
+    if cfg.target_modules != ["all-linear"]:  # PEFT saves all-linear as the names it chose
+        pairs.append(("target_modules", sorted(cfg.target_modules),
+                      sorted(saved.get("target_modules") or [])))
+    for key, want, have in pairs:
+        if want != have:
+            raise ConfigError(f"resume: lora.{key}={want} but the checkpoint's adapter has "
+                              f"{have}; a resumed run keeps its adapter (drop the override, or "
+                              "start a new run)")
 
 
 @torch.no_grad()

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from gspo.models.loading import PLAIN_TORCH
 from gspo.models.lora import is_peft
 
 LATEST = "latest"
@@ -119,6 +120,24 @@ def load_checkpoint_state(path: Path) -> tuple[dict, dict[str, Any]]:
     return optim_state, json.loads((path / "state.json").read_text())
 
 
+def checkpoint_weights(path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The full state dict of the model saved in ``path``, under the live model's names: read
+    with ``from_pretrained``, as a resumed run reads it, because the files' layout is not the
+    module's (transformers 5 saves a Mixture-of-Experts layer's fused expert tensors as one
+    tensor per expert, and maps them back when it loads)."""
+    from transformers import AutoModelForCausalLM
+
+    if not any(path.glob("*.safetensors")):
+        raise FileNotFoundError(f"{path}: no *.safetensors weights")
+    model, info = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, output_loading_info=True,
+                                                       **PLAIN_TORCH)
+    missing, unexpected = sorted(info["missing_keys"]), sorted(info["unexpected_keys"])
+    if missing or unexpected:  # from_pretrained would fill a missing weight at random
+        raise ValueError(f"{path}: weights do not match the model (missing {missing[:3]}, "
+                         f"unexpected {unexpected[:3]})")
+    return model.state_dict()
+
+
 def load_weights(model: Any, path: Path, load_state: Any = None) -> None:
     """Load the weights of checkpoint ``path`` into ``model`` in place (a LoRA policy: its
     adapter). Raises if the checkpoint does not cover every parameter. ``load_state(model,
@@ -134,12 +153,7 @@ def load_weights(model: Any, path: Path, load_state: Any = None) -> None:
         if getattr(result, "unexpected_keys", None):
             raise ValueError(f"{path}: unexpected adapter keys {result.unexpected_keys[:3]}")
         return
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{path}: no *.safetensors weights")
-    weights: dict[str, torch.Tensor] = {}
-    for f in files:
-        weights.update(load_file(f))
+    weights = checkpoint_weights(path, next(model.parameters()).dtype)
     missing, unexpected = (model.load_state_dict(weights, strict=False) if load_state is None
                            else load_state(model, weights))
     # save_pretrained drops tied copies (e.g. an output layer tied to the embeddings): those

@@ -167,6 +167,12 @@ class ZeroSignalWatch:
     def __init__(self, k: int) -> None:
         self.k, self.streak, self.warned = k, 0, False
 
+    def state_dict(self) -> dict[str, Any]:
+        return {"streak": self.streak, "warned": self.warned}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.streak, self.warned = int(state["streak"]), bool(state["warned"])
+
     def observe(self, metrics: dict[str, float]) -> str | None:
         """The warning line, on the step the streak reaches ``k`` (once per streak)."""
         dynamic = "dynamic/zero_signal_frac_sampled" in metrics

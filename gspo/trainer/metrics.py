@@ -157,7 +157,10 @@ class MetricsLogger:
                 if mode == "on":
                     print("tensorboard is not installed; logging to metrics.jsonl only")
             else:
-                self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+                # resumed: TensorBoard hides what the earlier event files hold past the
+                # checkpoint (those steps are redone), as the lines of metrics.jsonl are cut
+                self.tb = SummaryWriter(str(run_dir / "tensorboard"),
+                                        purge_step=resume_step + 1 if resume_step >= 0 else None)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         if not self.enabled:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +29,22 @@ class Tracker:
         target.finish()
 
 
-def start_trackers(logging_cfg: Any, run_dir: Path, config: dict[str, Any]) -> list[Tracker]:
-    """Start the trackers named in :class:`gspo.config.LoggingConfig`."""
+WANDB_ID = "wandb_run_id"  # in the run folder: the W&B run a resumed run continues
+
+
+def _wandb_id(run_dir: Path) -> str:
+    """The W&B run id of this run folder: made on its first start, read back on resume."""
+    path = run_dir / WANDB_ID
+    if not path.is_file():
+        path.write_text(secrets.token_hex(8))
+    return path.read_text().strip()
+
+
+def start_trackers(logging_cfg: Any, run_dir: Path, config: dict[str, Any], *,
+                   resumed: bool = False) -> list[Tracker]:
+    """Start the trackers named in :class:`gspo.config.LoggingConfig`. ``resumed``: the run
+    continues from a checkpoint, and each tracker continues its run rather than open a
+    second one (W&B by the id kept in the run folder, trackio by the run's name)."""
     wanted = [("wandb", logging_cfg.wandb_project), ("trackio", logging_cfg.trackio_project)]
     out = []
     for name, project in wanted:
@@ -42,7 +57,9 @@ def start_trackers(logging_cfg: Any, run_dir: Path, config: dict[str, Any]) -> l
             continue
         kwargs: dict[str, Any] = {"project": project, "name": run_dir.name, "config": config}
         if name == "wandb":
-            kwargs["dir"] = str(run_dir)
+            kwargs.update(dir=str(run_dir), id=_wandb_id(run_dir), resume="allow")
+        elif resumed:
+            kwargs["resume"] = "allow"
         try:
             out.append(Tracker(name, module, module.init(**kwargs)))
         except Exception as e:  # a login or network problem must not stop the run
@@ -78,7 +95,9 @@ class TeeLogger:
             t.close()
 
 
-def with_trackers(logger: Any, logging_cfg: Any, run_dir: Path, config: dict[str, Any]) -> Any:
-    """``logger`` itself when no tracker is asked for or available, else a :class:`TeeLogger`."""
-    trackers = start_trackers(logging_cfg, run_dir, config)
+def with_trackers(logger: Any, logging_cfg: Any, run_dir: Path, config: dict[str, Any], *,
+                  resumed: bool = False) -> Any:
+    """``logger`` itself when no tracker is asked for or available, else a :class:`TeeLogger`
+    (``resumed``: see :func:`start_trackers`)."""
+    trackers = start_trackers(logging_cfg, run_dir, config, resumed=resumed)
     return TeeLogger(logger, trackers) if trackers else logger

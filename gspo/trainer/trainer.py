@@ -77,6 +77,7 @@ from gspo.trainer.checkpoint import (
     extra_rng_state,
     latest_checkpoint,
     load_checkpoint_state,
+    load_weights,
     save_checkpoint,
     set_extra_rng_state,
 )
@@ -109,6 +110,14 @@ from gspo.trainer.update import (
     policy_update,
     stat_kinds,
 )
+
+
+def frozen(model: Any) -> Any:
+    """``model`` in eval mode, without gradients (the KL term's reference policy)."""
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
 
 
 def _lr_lambda(cfg: TrainConfig, total: int):
@@ -271,7 +280,8 @@ class Trainer:
         self.reliability = Reliability(cfg.guard, self.run_dir, guard_state)
         logger = MetricsLogger(self.run_dir, cfg.tensorboard,
                                resume_step=self.step if resume_ckpt else -1)
-        self.logger = (with_trackers(logger, cfg.logging, self.run_dir, to_dict(cfg))
+        self.logger = (with_trackers(logger, cfg.logging, self.run_dir, to_dict(cfg),
+                                     resumed=resume_ckpt is not None)
                        if self.dist.is_main else logger)
         if self.async_rollout is not None:  # on the restored weights: policy version `step`
             with self.dist.full_weights(self.model):
@@ -289,6 +299,12 @@ class Trainer:
             source = str(resume_ckpt) if resume_ckpt and not cfg.lora.r else cfg.model
             self.model, self.tokenizer = load_model(source, dtype=getattr(torch, cfg.dtype),
                                                     seed=cfg.seed)
+        elif resume_ckpt is not None and not cfg.lora.r:
+            # A policy passed in is the run's initial one: the KL reference is a copy of it,
+            # taken before the checkpoint's weights go into it.
+            if cfg.objective.beta > 0:
+                self.ref_model = frozen(copy.deepcopy(self.model))
+            load_weights(self.model, resume_ckpt)
         if cfg.lora.r:
             self.model = apply_lora(self.model, cfg.lora, adapter_dir=resume_ckpt)
         if cfg.gradient_checkpointing:
@@ -433,15 +449,13 @@ class Trainer:
         and the initial policy is loaded again from ``cfg.model``."""
         if is_peft(self.model):
             return None
+        if self.ref_model is not None:  # a policy passed in, copied before its resume
+            return self.ref_model
         if resumed:
             ref, _ = load_model(self.cfg.model, dtype=getattr(torch, self.cfg.dtype),
                                 seed=self.cfg.seed)
-        else:
-            ref = copy.deepcopy(self.model)
-        ref.eval()
-        for p in ref.parameters():
-            p.requires_grad_(False)
-        return ref
+            return frozen(ref)
+        return frozen(copy.deepcopy(self.model))
 
     def _make_run_dir(self) -> Path:
         cfg = self.cfg
@@ -475,6 +489,7 @@ class Trainer:
         # Lines logged after this checkpoint belong to steps the resumed run redoes.
         truncate_logs(self.run_dir, state.get("log_sizes", {}))
         self.step, self.history = state["step"], state.get("history", [])
+        self.zero_signal.load_state_dict(state.get("zero_signal", {"streak": 0, "warned": False}))
         self.baseline_eval = state.get("baseline_eval")
         self.final_eval = state.get("final_eval")
         self.saved_step = self.step
@@ -498,7 +513,8 @@ class Trainer:
                        "torch_rng": torch.get_rng_state(), "cuda_rng": cuda_rng_state()}
         state = {"step": self.step, "task": self.task.state_dict(), "history": self.history,
                  "baseline_eval": self.baseline_eval, "final_eval": self.final_eval,
-                 "guard": guard.state_dict(), "rng": extra_rng_state(),
+                 "guard": guard.state_dict(), "zero_signal": self.zero_signal.state_dict(),
+                 "rng": extra_rng_state(),
                  "log_sizes": log_sizes(self.run_dir)}
         if self.async_rollout is not None:  # the in-flight batches (waits for them)
             state["async"] = self.async_rollout.state_dict()

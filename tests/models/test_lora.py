@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gspo.cli.export import export_merged
-from gspo.config import LoRAConfig, load_config
+from gspo.config import ConfigError, LoRAConfig, load_config
 from gspo.models.logprobs import token_logprobs
 from gspo.models.lora import apply_lora, reference_logprobs, unwrap
 from gspo.models.tiny import build_tiny
@@ -99,6 +99,10 @@ def test_adapter_checkpoint_resume_and_merged_export(tmp_path):
     adapter = {n: p.detach().clone() for n, p in trainer.model.named_parameters()
                if "lora_" in n}
 
+    # the adapter's shape comes from the checkpoint: another one in the config is refused
+    for other in ("lora.r=8", "lora.alpha=16", "lora.dropout=0.1", "lora.target_modules=[q_proj]"):
+        with pytest.raises(ConfigError, match=f"resume: {other.split('=')[0]}="):
+            Trainer(_cfg(tmp_path, "c", "steps=0", f"resume={trainer.run_dir}", other)).setup()
     resumed = Trainer(_cfg(tmp_path, "b", "steps=0", f"resume={trainer.run_dir}")).setup()
     got = dict(resumed.model.named_parameters())
     for name, value in adapter.items():

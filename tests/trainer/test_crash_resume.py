@@ -393,6 +393,7 @@ def test_load_weights_round_trip_and_mismatch(tmp_path):
     with pytest.raises(FileNotFoundError):
         load_weights(model, tmp_path / "empty")
     (tmp_path / "partial").mkdir()
+    model.config.save_pretrained(tmp_path / "partial")
     save_file({k: v for k, v in want.items() if k != "model.norm.weight"},
               tmp_path / "partial" / "model.safetensors")
     with pytest.raises(ValueError, match=r"missing \['model.norm.weight'\]"):

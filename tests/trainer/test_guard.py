@@ -223,6 +223,40 @@ def test_after_a_rollback_an_engine_with_its_own_copy_samples_the_restored_weigh
     assert seen == [True] * 4
 
 
+@pytest.mark.parametrize("model", ["tiny:llama", "tiny:qwen3_moe", "tiny:mixtral"])
+def test_a_rollback_restores_the_weights_the_checkpoint_was_written_from(tmp_path, monkeypatch,
+                                                                         model):
+    """The policy after a rollback holds, exactly, the weights it held when the checkpoint
+    was written. A Mixture-of-Experts checkpoint keeps its fused expert tensors as one tensor
+    per expert on disk (transformers 5), so a rollback that read the files as they are failed
+    on every MoE policy ("weights do not match the model")."""
+    trainer = _trainer(tmp_path, "w", "steps=3", "save_every=1", f"model={model}")
+    rollback_at(monkeypatch, trainer, step=2)
+    saved, before, after = {}, {}, {}
+    real_save, real_respond = trainer.save_checkpoint, trainer.reliability.respond
+
+    def weights():
+        return {k: v.clone() for k, v in trainer.model.state_dict().items()}
+
+    def save_checkpoint():
+        saved[trainer.step] = weights()
+        return real_save()
+
+    def respond(*args, **kwargs):
+        before[trainer.step] = weights()
+        out = real_respond(*args, **kwargs)
+        after[trainer.reliability.restored_step] = weights()
+        return out
+
+    monkeypatch.setattr(trainer, "save_checkpoint", save_checkpoint)
+    monkeypatch.setattr(trainer.reliability, "respond", respond)
+    trainer.train()
+    assert list(before) == [2] and list(after) == [1]  # after step 2, back to step 1's
+    assert saved[1].keys() == after[1].keys()
+    assert all(torch.equal(after[1][k], saved[1][k]) for k in saved[1])
+    assert any(not torch.equal(saved[1][k], before[2][k]) for k in saved[1])  # step 2 moved
+
+
 @pytest.mark.parametrize("extra, why", [
     (["save_every=1", "guard.max_rollbacks=1"], "rolled back 1 times already"),
     (["save_every=0"], "no checkpoint to roll back to"),

@@ -338,3 +338,29 @@ def test_first_minibatch_forward_as_this_steps_pass_leaves_pi_old_alone(tmp_path
         assert a["train/loss"] == b["train/loss"]
         for key in keys:
             assert a[key] == pytest.approx(b[key], rel=1e-3, abs=3e-6), key
+
+
+def constant(prompts, completions, **_):
+    return [1.0] * len(completions)
+
+
+def test_a_resumed_run_keeps_its_zero_signal_streak_and_hides_redone_tensorboard_points(
+        tmp_path, capsys):
+    """Resumed from the step-2 checkpoint of a run that went on to step 3: the zero-signal
+    streak (2 steps) comes back with the checkpoint, so redoing step 3 warns as the run did;
+    TensorBoard shows each step once (the first run's step-3 points are past the checkpoint)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    extra = ["steps=3", "save_every=2", "save_final=false", "tensorboard=on",
+             "eval_before=false", "task.eval_size=0", "logging.zero_signal_warn_steps=3"]
+    first = Trainer(_cfg(tmp_path, "z", *extra), reward_fns=[constant]).setup()
+    first.train()
+    assert capsys.readouterr().out.count("zero reward variance (3 steps in a row") == 1
+    resumed = Trainer(_cfg(tmp_path, "z", *extra, f"resume={first.run_dir}"),
+                      reward_fns=[constant]).setup()
+    assert resumed.step == 2 and resumed.zero_signal.streak == 2
+    resumed.train()
+    assert capsys.readouterr().out.count("zero reward variance (3 steps in a row") == 1
+    events = EventAccumulator(str(first.run_dir / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("reward/mean")] == [1, 2, 3]
