@@ -513,11 +513,37 @@ def read_yaml(path: str | Path, what: str = "config file") -> Any:
     file in the first case)."""
     p = resolve_path(path, what)
     try:
-        return yaml.safe_load(p.read_text())
+        text = p.read_text()
+        data = yaml.safe_load(text)
     except OSError as e:
         raise ConfigError(f"{p}: cannot read ({_first_line(e)})") from None
     except Exception as e:  # PyYAML also raises ValueError, KeyError, ... on bad scalars
         raise ConfigError(f"{p}: not valid YAML ({_first_line(e)})") from None
+    _no_duplicate_keys(yaml.compose(text, Loader=yaml.SafeLoader), p)
+    return data
+
+
+def _no_duplicate_keys(root: Any, path: Path) -> None:
+    """A key given twice in one mapping is an error: YAML keeps the last one, so an arm or a
+    section written twice would silently be one (``<<`` merge keys excepted)."""
+    todo: list[tuple[Any, str]] = [(root, "")]
+    visited: set[int] = set()  # an alias points at a node already seen (and may recurse)
+    while todo:
+        node, where = todo.pop()
+        if node is None or id(node) in visited:
+            continue
+        visited.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[str, int] = {}
+            for key, value in node.value:
+                name, line = str(key.value), key.start_mark.line + 1
+                if name in seen and name != "<<":
+                    raise ConfigError(f"{path}: '{where}{name}' is given twice (lines "
+                                      f"{seen[name]} and {line})")
+                seen[name] = line
+                todo.append((value, f"{where}{name}."))
+        elif isinstance(node, yaml.SequenceNode):
+            todo.extend((item, where) for item in node.value)
 
 
 C = typing.TypeVar("C")

@@ -12,11 +12,10 @@ side by side (one thread each); this script then reads both folders and writes t
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
-from gspo.analysis.report import summarize, write_report
+from gspo.analysis.report import read_done, summarize, write_report
 from gspo.analysis.spec import load_spec
 
 
@@ -38,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     for arm in spec.arms:
         for seed in spec.seeds:
             found = [Path(d) / f"{arm.name}_s{seed}" for d in args.runs
-                     if (Path(d) / f"{arm.name}_s{seed}" / "compare.json").is_file()]
+                     if read_done(Path(d) / f"{arm.name}_s{seed}") is not None]
             if found:
                 runs.setdefault(arm.name, {})[seed] = found[0]
     missing = [f"{a.name}_s{s}" for a in spec.arms for s in spec.seeds
@@ -48,9 +47,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     probes: dict[int, dict] = {}
     for seed in spec.seeds if args.probes else []:
-        f = Path(args.probes) / f"probe_s{seed}" / "compare.json"
-        if f.is_file():
-            probes[seed] = json.loads(f.read_text())
+        done = read_done(Path(args.probes) / f"probe_s{seed}")
+        if done is not None:
+            probes[seed] = done
     summary = summarize(spec, runs, probes)
     summary["total_wall_s"] = args.wall_min * 60
     summary["command"] = (f"gspo compare {args.spec}, run as {len(args.runs)} processes "

@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from gspo.analysis.report import step_seconds
+from gspo.analysis.report import read_done, step_seconds
 
 
 def read_metrics(run: Path) -> list[dict[str, Any]]:
@@ -106,7 +106,9 @@ def run_row(run: Path) -> str | None:
 
 
 def probe_row(probe: Path) -> str:
-    res = json.loads((probe / "compare.json").read_text())
+    res = read_done(probe)
+    if res is None:
+        return f"| {probe.name} | unfinished |  |"
     per_layer = res.get("expert_change_per_layer") or [0.0]
     worst = max(range(len(per_layer)), key=per_layer.__getitem__)
     return (f"| {probe.name} | {res['expert_change']:.2%} | {per_layer[worst]:.2%} "

@@ -228,3 +228,33 @@ def test_eval_missing_model_folder(capsys, tmp_path):
     _, err = capsys.readouterr()
     assert code == 2
     assert err.splitlines() == [f"gspo eval: error: model: folder not found: {tmp_path / 'nope'}"]
+
+
+@pytest.mark.parametrize("model, needle", [
+    ("tiny:lama", "unknown tiny model 'tiny:lama'"),
+    ("/nonexistent/model", "folder not found: /nonexistent/model"),
+    ("sfft:tiny_moe", "unknown model source 'sfft:'"),
+])
+def test_validate_checks_the_model_name_without_loading_it(capsys, tmp_path, model, needle):
+    assert needle in fail(capsys, tmp_path, f"model={model}", cmd="validate")
+
+
+def test_validate_a_compare_file_with_overrides_checks_every_arm(capsys):
+    assert main(["validate", "moe/compare", "steps=2"]) == 0  # it took `base` for a config key
+    assert capsys.readouterr().out.endswith(": ok\n")
+    assert main(["validate", "moe/compare", "objective.tau_pos=2"]) == 2
+    err = capsys.readouterr().err
+    assert "arm 'gspo': objective.tau_pos=2.0: objective 'gspo' does not take" in err
+    assert main(["validate", "moe/compare", "model=tiny:nope"]) == 2
+    assert "arm 'gspo': model: unknown tiny model" in capsys.readouterr().err
+
+
+def test_a_path_that_is_not_a_folder_is_a_one_line_error(capsys, tmp_path):
+    (tmp_path / "afile").write_text("")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward/mean": 0.5}) + "\n")
+    assert main(["plot", str(run), "--out", str(tmp_path / "afile" / "plots")]) == 2
+    out, err = capsys.readouterr()
+    assert err.startswith("gspo plot: error: ") and len(err.splitlines()) == 1
+    assert "Traceback" not in out + err

@@ -413,3 +413,16 @@ def getattr_dotted(obj, key):
     for part in key.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+def test_a_key_given_twice_in_a_config_file_is_an_error(tmp_path):
+    """YAML keeps the last of two equal keys: a section or a field written twice would
+    silently lose the first."""
+    p = tmp_path / "twice.yaml"
+    p.write_text("steps: 3\nrollout:\n  group_size: 4\n  group_size: 8\n")
+    with pytest.raises(ConfigError, match=r"'rollout.group_size' is given twice \(lines 3 and 4\)"):
+        load_config(p)
+    p.write_text("base: &b {steps: 3}\nrun:\n  <<: *b\n  steps: 4\n")  # merge keys are fine
+    from gspo.config import read_yaml
+
+    assert read_yaml(p)["run"]["steps"] == 4

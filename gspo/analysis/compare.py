@@ -3,6 +3,8 @@
 The arms come from a comparison file (:mod:`gspo.analysis.spec`). Each (arm, seed) is one
 :class:`gspo.trainer.Trainer` run in ``RUNS/<arm>_s<seed>``. A finished run whose config is
 unchanged is reused, so an interrupted comparison resumes and a new arm only costs its own runs.
+A run folder that compare started (its ``compare.started`` marker) but did not finish is deleted
+and run again; a folder it did not start is never deleted: the comparison refuses to start.
 For MoE policies a probe per seed also measures how many expert choices change after exactly
 one optimizer step from the initial policy (:func:`first_update_probe`). With ``jobs`` > 1 the
 runs go ``jobs`` at a time, each in its own process (:func:`run_side_by_side`). The table and
@@ -18,8 +20,10 @@ import json
 import os
 import pickle
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,7 +32,7 @@ from typing import Any
 import torch
 import yaml
 
-from gspo.analysis.report import summarize, write_report
+from gspo.analysis.report import DONE, read_done, summarize, write_atomic, write_report
 from gspo.analysis.spec import CompareSpec
 from gspo.config import ConfigError, TrainConfig, to_dict, validate
 from gspo.models.moe import expert_change, routing_change
@@ -36,7 +40,8 @@ from gspo.objectives import objective_from_config
 from gspo.trainer import Trainer
 from gspo.trainer.update import UpdatePlan, policy_update
 
-DONE = "compare.json"  # written into a run folder once its run finished
+# written into a run folder before its run starts: only such a folder may compare delete
+STARTED = "compare.started"
 
 
 class RunFailed(RuntimeError):
@@ -51,26 +56,51 @@ def _differs(saved: Any, current: Any) -> bool:
     return saved != current
 
 
-def _reusable(run_dir: Path, cfg: TrainConfig) -> bool:
-    """True for a finished run of ``cfg``; a finished run of another config is an error, an
-    unfinished one (no DONE file: interrupted) is deleted so it can start again."""
-    if (run_dir / DONE).is_file():
+def _check_folder(run_dir: Path, cfg: TrainConfig) -> bool:
+    """Whether ``run_dir`` holds a finished run of ``cfg`` (a readable ``DONE``). A finished run
+    of another config is an error, and so is a folder with files that compare did not start
+    (no :data:`STARTED` marker: a ``gspo train`` run, say): compare never deletes those. Deletes
+    nothing itself."""
+    if read_done(run_dir) is not None:
         saved = yaml.safe_load((run_dir / "config.yaml").read_text())
         if _differs(saved, to_dict(cfg)):
             raise ConfigError(f"{run_dir} holds a finished run of another config; delete it "
                               "or pass --runs DIR")
         return True
-    if (run_dir / "config.yaml").is_file():
+    if (run_dir.is_dir() and not (run_dir / STARTED).is_file()
+            and any(run_dir.iterdir())):
+        raise ConfigError(f"{run_dir} holds files that gspo compare did not start (no {STARTED}"
+                          f" nor {DONE}); move it away or pass --runs DIR")
+    return False
+
+
+def _reusable(run_dir: Path, cfg: TrainConfig, log: Callable[[str], None]) -> bool:
+    """True for a finished run of ``cfg`` (:func:`_check_folder`); an unfinished one that
+    compare started (interrupted: no readable ``DONE``) is deleted, with a line to ``log``, so
+    it can start again."""
+    if _check_folder(run_dir, cfg):
+        return True
+    if (run_dir / STARTED).is_file():
+        log(f"{cfg.run_name}: deleting the unfinished run that gspo compare started in {run_dir}"
+            f" (it starts again)")
         shutil.rmtree(run_dir)
     return False
+
+
+def _mark_started(run_dir: Path) -> None:
+    """Create ``run_dir`` with its :data:`STARTED` marker, before anything else goes in."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / STARTED).write_text("this run folder was started by gspo compare, which may "
+                                   "delete it while it has no compare.json\n")
 
 
 def run_one(cfg: TrainConfig, info: dict[str, Any], log: Callable[[str], None]) -> Path:
     """Train one run (or reuse it); write its wall time and final evaluation to ``DONE``."""
     run_dir = Path(cfg.output_dir) / cfg.run_name
-    if _reusable(run_dir, cfg):
+    if _reusable(run_dir, cfg, log):
         log(f"{cfg.run_name}: finished earlier, reusing {run_dir}")
         return run_dir
+    _mark_started(run_dir)
     start = time.perf_counter()
     trainer = Trainer(cfg).setup()
     result = trainer.train()
@@ -79,7 +109,7 @@ def run_one(cfg: TrainConfig, info: dict[str, Any], log: Callable[[str], None]) 
         raise KeyboardInterrupt
     wall = time.perf_counter() - start
     done = {**info, "wall_s": wall, "before": result.get("before"), "after": result.get("after")}
-    (run_dir / DONE).write_text(json.dumps(done, indent=2))
+    write_atomic(run_dir / DONE, json.dumps(done, indent=2))
     after = result.get("after") or {}
     acc = f", held-out accuracy after {after['accuracy']:.1%}" if "accuracy" in after else ""
     log(f"{cfg.run_name}: {wall:.0f} s{acc}")
@@ -163,10 +193,11 @@ def run_probe(spec: CompareSpec, seed: int, runs_dir: Path, extra: list[str],
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     with open(run_dir.parent / f"{cfg.run_name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes (or the process dies)
-        if _reusable(run_dir, cfg):
-            return json.loads((run_dir / DONE).read_text())
+        if _reusable(run_dir, cfg, log):
+            return read_done(run_dir) or {}
+        _mark_started(run_dir)
         res = first_update_probe(cfg)
-        (run_dir / DONE).write_text(json.dumps(res, indent=2))
+        write_atomic(run_dir / DONE, json.dumps(res, indent=2))
     if res:
         log(f"probe seed {seed}: after one update {res['token_change']:.1%} of (token, layer) "
             f"changed expert set, {res['expert_change']:.1%} of chosen experts changed")
@@ -189,11 +220,29 @@ def run_side_by_side(todo: list[tuple[TrainConfig, dict[str, Any]]], jobs: int,
     The processes are started afresh (``python -c``, not forked: the parent may hold torch
     threads), so each can start its own engine process (``rollout.async_steps``). Runs that
     fail do not stop the others; once all have ended, :class:`RunFailed` names every one that
-    failed and its log. Interrupted (Ctrl-C), the parent terminates the runs it started.
+    failed and its log. Interrupted (Ctrl-C, or SIGTERM to this process), the parent
+    terminates the runs it started and waits for them; a further SIGTERM meanwhile is passed on
+    to them (a run's second signal stops it at once).
     """
     queue = list(todo)
     running: list[tuple[subprocess.Popen[bytes], str, Path]] = []
     failed: list[str] = []
+    terminated = False
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        nonlocal terminated
+        if not terminated:
+            terminated = True
+            raise KeyboardInterrupt("SIGTERM")
+        for proc, _, _ in running:  # already stopping: pass it on
+            if proc.returncode is None:
+                try:
+                    os.kill(proc.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, on_sigterm) if main_thread else None
     try:
         while queue or running:
             while queue and len(running) < jobs:
@@ -205,10 +254,13 @@ def run_side_by_side(todo: list[tuple[TrainConfig, dict[str, Any]]], jobs: int,
                         [sys.executable, "-c", "from gspo.analysis.compare import _child; "
                          "_child()"], stdin=subprocess.PIPE, stdout=out,
                         stderr=subprocess.STDOUT)
+                running.append((proc, cfg.run_name, log_path))  # terminated if interrupted
                 assert proc.stdin is not None
-                proc.stdin.write(pickle.dumps((cfg, info)))
-                proc.stdin.close()
-                running.append((proc, cfg.run_name, log_path))
+                try:
+                    proc.stdin.write(pickle.dumps((cfg, info)))
+                    proc.stdin.close()
+                except BrokenPipeError:  # it died at start: reported below with its log
+                    pass
                 log(f"{cfg.run_name}: started (log {log_path})")
             time.sleep(poll_s)
             for item in [r for r in running if r[0].poll() is not None]:
@@ -226,8 +278,23 @@ def run_side_by_side(todo: list[tuple[TrainConfig, dict[str, Any]]], jobs: int,
         for proc, _, _ in running:
             proc.wait()
         raise
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     if failed:
         raise RunFailed(f"{len(failed)} of {len(todo)} runs failed: {', '.join(failed)}")
+
+
+def _check_writable(folder: Path, what: str) -> None:
+    """``folder`` exists as a writable folder, or can be made: its nearest existing ancestor is
+    a writable folder (a one-line error otherwise, before anything runs)."""
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"{what} {folder}: {existing} is not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"{what} {folder}: {existing} is not writable")
 
 
 def run_compare(spec: CompareSpec, runs_dir: str | Path, out_dir: str | Path,
@@ -242,6 +309,8 @@ def run_compare(spec: CompareSpec, runs_dir: str | Path, out_dir: str | Path,
     if jobs < 1:
         raise ConfigError(f"--jobs: expected a positive number of runs at a time, got {jobs}")
     runs_dir, out_dir, extra = Path(runs_dir), Path(out_dir), list(extra or [])
+    _check_writable(runs_dir, "--runs")  # before any run, not after all of them
+    _check_writable(out_dir, "--out")
     start = time.perf_counter()
     # seed-major: a partial comparison still covers every arm
     plan = [(arm, seed, spec.config(arm, seed, runs_dir, extra))
@@ -252,13 +321,20 @@ def run_compare(spec: CompareSpec, runs_dir: str | Path, out_dir: str | Path,
             raise ConfigError(f"--jobs {jobs}: arm(s) {', '.join(unset)} leave num_threads at "
                               f"0 (torch's default: every core in every run); set num_threads, "
                               f"e.g. num_threads={max(1, (os.cpu_count() or 1) // jobs)}")
+    # a folder in the way (another config's finished run, a run compare did not start) stops
+    # the comparison before its first run, not at that run's turn
+    for _, _, cfg in plan:
+        _check_folder(Path(cfg.output_dir) / cfg.run_name, cfg)
+    for seed in spec.seeds:
+        cfg = probe_config(spec, seed, runs_dir, extra)
+        _check_folder(Path(cfg.output_dir) / cfg.run_name, cfg)
     probes = {seed: run_probe(spec, seed, runs_dir, extra, log) for seed in spec.seeds}
     info = {(arm.name, seed): {"arm": arm.name, "label": arm.label, "seed": seed}
             for arm, seed, _ in plan}
     made: set[str] = set()  # runs trained side by side just now
     if jobs > 1:
         todo = [(cfg, info[arm.name, seed]) for arm, seed, cfg in plan
-                if not _reusable(Path(cfg.output_dir) / cfg.run_name, cfg)]
+                if not _reusable(Path(cfg.output_dir) / cfg.run_name, cfg, log)]
         run_side_by_side(todo, jobs, log)
         made = {cfg.run_name for cfg, _ in todo}
     runs: dict[str, dict[int, Path]] = {}

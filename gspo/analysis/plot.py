@@ -11,6 +11,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from gspo.config import ConfigError
 from gspo.trainer.metrics import read_metrics
 
 # (file stem, figure title, [(metric key, subplot title, y label)]). A key may hold "{}"
@@ -96,10 +97,18 @@ def series(rows: list[dict[str, Any]], key: str) -> tuple[list[float], list[floa
 
 
 def _run_labels(run_dirs: list[Path]) -> list[str]:
-    names = [p.resolve().name for p in run_dirs]
-    if len(set(names)) < len(names):  # same folder name under different parents
-        names = [f"{p.resolve().parent.name}/{p.resolve().name}" for p in run_dirs]
-    return names
+    """One label per run folder: its name, or as many of its last path parts as tell the
+    runs apart (the same folder given twice is refused: it would draw over itself)."""
+    paths = [p.resolve() for p in run_dirs]
+    if len(set(paths)) < len(paths):
+        twice = next(str(p) for p in paths if paths.count(p) > 1)
+        raise ConfigError(f"gspo plot: run folder given twice: {twice}")
+    depth = 1
+    while True:
+        names = ["/".join(p.parts[-depth:]) for p in paths]
+        if len(set(names)) == len(names):
+            return names
+        depth += 1
 
 
 def _expand(specs: list[tuple[str, str, str]], runs: dict[str, list[dict[str, Any]]]
@@ -143,7 +152,9 @@ def _draw(ax: Any, key: str, runs: dict[str, list[dict[str, Any]]], colors: dict
 
 
 def plot_runs(run_dirs: list[str | Path], out: str | Path) -> list[Path]:
-    """Write one PNG per panel group with data into ``out``; return their paths."""
+    """Write one PNG per panel group with data into ``out``; return their paths. A group
+    with no data for these runs has its PNG removed from ``out`` (one an earlier call wrote
+    would be taken for these runs')."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -159,7 +170,8 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path) -> list[Path]:
     written = []
     for stem, fig_title, specs in PANELS:
         panels = _expand(specs, runs)
-        if not panels:
+        if not panels:  # a figure an earlier call left here would not show these runs
+            (out / f"{stem}.png").unlink(missing_ok=True)
             continue
         ncols = min(2, len(panels))
         nrows = math.ceil(len(panels) / ncols)

@@ -24,8 +24,9 @@ Per run (definitions used in the table):
   ``async/*`` (see docs/corrections.md and docs/scaling.md);
 * wall time of the run (rollouts, updates and evaluations).
 
-Each arm's cell is the mean ± sample standard deviation over seeds; plots draw the mean over
-seeds as a line and the min..max over seeds as a shaded band.
+Each arm's cell is the mean ± sample standard deviation over the seeds that have a value;
+``(n=k/N)`` follows it when only k of the arm's N seeds have one, and the sd is ``—`` when only
+one has. Plots draw the mean over seeds as a line and the min..max over seeds as a shaded band.
 """
 
 from __future__ import annotations
@@ -35,13 +36,17 @@ import math
 import os
 import platform
 import statistics
+import threading
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from gspo.analysis.report_plots import plot_compare
+from gspo.config import ConfigError
 from gspo.trainer.metrics import read_metrics
+
+DONE = "compare.json"  # written into a run folder (atomically) once its run finished
 
 # (summary key, column title); a column no run logs (e.g. routing for a dense policy) is left
 # out of the tables.
@@ -100,10 +105,38 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else math.nan
 
 
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` whole or not at all: a temporary file beside it, flushed to
+    disk, then renamed over it (a reader, or a process killed midway, never sees half a file)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def read_done(run_dir: Path) -> dict[str, Any] | None:
+    """The ``compare.json`` of a finished run; None when the run has none, or one that cannot
+    be read or parsed (the run did not finish: it counts as unfinished)."""
+    try:
+        done = json.loads((run_dir / DONE).read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    return done if isinstance(done, dict) else None
+
+
 def summarize_run(run_dir: Path) -> dict[str, float]:
+    done = read_done(run_dir)
+    if done is None or "wall_s" not in done:
+        raise ConfigError(f"{run_dir}: not a finished run of gspo compare ({DONE} missing or "
+                          f"unreadable); rerun the comparison to finish it")
     rows = read_metrics(run_dir)
     train = [r for r in rows if "reward/mean" in r]
-    done = json.loads((run_dir / "compare.json").read_text())
     last = train[-max(1, len(train) // 4):]
     out = {"final_reward": _mean([r["reward/mean"] for r in last]),
            "first_reward": _mean([r["reward/mean"] for r in train[:max(1, len(train) // 4)]]),
@@ -145,11 +178,15 @@ def _reward_per_second(run_dir: Path, train: list[dict[str, Any]]) -> float:
 
 
 def _stats(values: list[float]) -> dict[str, float]:
+    """Mean, sample sd (NaN for one value), min, max over the finite ``values``; ``n`` of the
+    ``of`` values given were finite (a seed whose run did not log the measure has NaN)."""
     v = [x for x in values if isinstance(x, (int, float)) and math.isfinite(x)]
     if not v:
-        return {"mean": math.nan, "sd": math.nan, "min": math.nan, "max": math.nan, "n": 0}
-    sd = statistics.stdev(v) if len(v) > 1 else 0.0
-    return {"mean": sum(v) / len(v), "sd": sd, "min": min(v), "max": max(v), "n": len(v)}
+        return {"mean": math.nan, "sd": math.nan, "min": math.nan, "max": math.nan, "n": 0,
+                "of": len(values)}
+    sd = statistics.stdev(v) if len(v) > 1 else math.nan
+    return {"mean": sum(v) / len(v), "sd": sd, "min": min(v), "max": max(v), "n": len(v),
+            "of": len(values)}
 
 
 def summarize(spec: Any, runs: dict[str, dict[int, Path]],
@@ -184,14 +221,19 @@ def _fmt(x: float) -> str:
 
 
 def _cell(s: dict[str, float], digits: int | None = None) -> str:
-    """``mean ± sd``; the sd in the mean's notation so the two read together."""
-    if not s["n"]:
+    """``mean ± sd``; the sd in the mean's notation so the two read together, ``—`` when one
+    value has none; ``(n=k/N)`` after it when only k of the N values were finite."""
+    n = int(s["n"])
+    if not n:
         return "n/a"
     m, sd = s["mean"], s["sd"]
     if digits is None and m != 0 and abs(m) < 0.01:
-        return f"{m:.1e} ± {sd:.0e}"
-    d = 3 if digits is None else digits
-    return f"{m:.{d}f} ± {sd:.{d}f}"
+        text = f"{m:.1e} ± " + ("—" if n == 1 else f"{sd:.0e}")
+    else:
+        d = 3 if digits is None else digits
+        text = f"{m:.{d}f} ± " + ("—" if n == 1 else f"{sd:.{d}f}")
+    of = int(s.get("of", n))
+    return text + (f" (n={n}/{of})" if n < of else "")
 
 
 def _logged(summary: dict[str, Any]) -> list[tuple[str, str]]:
@@ -257,12 +299,14 @@ def write_report(summary: dict[str, Any], runs: dict[str, dict[int, Path]],
         f"Seeds: {summary['seeds']}. This invocation took {summary['total_wall_s'] / 60:.1f} min "
         f"(finished runs are reused, not rerun) on {summary['machine']['cpus']} CPUs, load "
         f"average at the end {summary['machine']['load_average']}.",
-        "Mean ± standard deviation over seeds (definitions: gspo/analysis/report.py).",
+        "Mean ± standard deviation over seeds (definitions: gspo/analysis/report.py); "
+        "(n=k/N): only k of the N seeds have a value, the mean and sd are over those k; "
+        "—: one value, no standard deviation.",
         markdown_table(summary), _start_text(summary), "## Routing drift after one update",
         _probe_text(summary["probe"]),
         "## Per seed", _per_seed_table(summary), "## Plots", images,
         "## Base run config", f"```yaml\n{summary['base_config']}```"])
-    (out_dir / "results.md").write_text(text + "\n")
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    write_atomic(out_dir / "results.md", text + "\n")
+    write_atomic(out_dir / "summary.json", json.dumps(summary, indent=2, default=str))
     return pngs
 

@@ -14,11 +14,19 @@ The arms live in a YAML file (the preset ``moe/compare``, ``gspo/presets/moe/com
         overrides: [objective.name=gspo, objective.eps_low=3e-4, objective.eps_high=4e-4]
 
 :func:`load_spec` checks the file and builds every arm's run config once, so a typo fails
-before any run starts. Reading a spec needs no model code (``gspo validate`` uses it).
+before any run starts, with and without the ``quick`` settings. Reading a spec needs no model
+code (``gspo validate`` uses it).
+
+``gspo compare`` sets each run's ``seed``, ``output_dir`` and ``run_name`` itself, and starts
+it afresh (no ``resume``)
+(:data:`FIXED_KEYS`): an override of one of them, in the file or on the command line, is an
+error, as is a key (an arm name, say) given twice in one mapping of the file
+(:func:`gspo.config.read_yaml`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +39,9 @@ from gspo.config import ConfigError, TrainConfig, load_config, read_yaml, resolv
 SPEC_KEYS = ("arms", "base", "overrides", "quick", "seeds")
 ARM_KEYS = ("label", "overrides")
 QUICK_KEYS = ("overrides", "seeds")
+# set per run by CompareSpec.config (the seed of the run, its folder; each run starts afresh
+# there or is reused whole): never by an override
+FIXED_KEYS = ("seed", "output_dir", "run_name", "resume")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 
@@ -55,6 +66,7 @@ class CompareSpec:
     def config(self, arm: Arm, seed: int, runs_dir: str | Path,
                extra: list[str] | tuple[str, ...] = ()) -> TrainConfig:
         """The run config of ``arm`` for ``seed``: base < spec overrides < arm < ``extra``."""
+        check_not_fixed(extra, "command line")
         fixed = [f"seed={seed}", f"output_dir={runs_dir}", f"run_name={arm.name}_s{seed}"]
         try:
             return load_config(self.base, ["progress=false", *self.overrides, *arm.overrides,
@@ -81,6 +93,17 @@ def _overrides(value: Any, where: str) -> list[str]:
         if "=" not in v:
             raise ConfigError(f"{where}: '{v}' is not key=value")
     return list(value)
+
+
+def check_not_fixed(overrides: list[str] | tuple[str, ...], where: str) -> None:
+    """Refuse an override of a key that ``gspo compare`` sets per run (:data:`FIXED_KEYS`)."""
+    for item in overrides:
+        key = item.split("=", 1)[0].strip()
+        if key in FIXED_KEYS:
+            how = ("starts each run afresh, or reuses it when it finished" if key == "resume"
+                   else f"sets {key} itself for each run (seeds: the file's seeds or --seeds; "
+                   "folders: --runs)")
+            raise ConfigError(f"{where}: '{item}': gspo compare {how}")
 
 
 def _seeds(value: Any, where: str) -> list[int]:
@@ -138,19 +161,38 @@ def load_spec(path: str | Path, *, quick: bool = False, arms: list[str] | None =
     probe_arm = all_arms[0]
     spec_seeds = _seeds(data["seeds"], f"{p}: seeds")
     common = _overrides(data.get("overrides"), f"{p}: overrides")
-    q = _mapping(data.get("quick") or {}, f"{p}: quick", QUICK_KEYS)
-    if quick:
-        spec_seeds = _seeds(q["seeds"], f"{p}: quick.seeds") if "seeds" in q else spec_seeds
-        common += _overrides(q.get("overrides"), f"{p}: quick.overrides")
+    check_not_fixed(common, f"{p}: overrides")
+    for arm in all_arms:
+        check_not_fixed(arm.overrides, f"{p}: arms.{arm.name}.overrides")
+    # the quick section is checked whether or not --quick is given: a typo in it must not
+    # wait for the first --quick run
+    q = (None if data.get("quick") is None
+         else _mapping(data["quick"], f"{p}: quick", QUICK_KEYS))
+    quick_seeds = _seeds(q["seeds"], f"{p}: quick.seeds") if q and "seeds" in q else None
+    quick_common = _overrides((q or {}).get("overrides"), f"{p}: quick.overrides")
+    check_not_fixed(quick_common, f"{p}: quick.overrides")
+    if quick and not q:
+        raise ConfigError(f"--quick: {p} has no quick settings (a 'quick:' section with seeds "
+                          f"or overrides); run without --quick")
     if arms:
         known = {a.name for a in all_arms}
         for name in arms:
             if name not in known:
                 raise ConfigError(f"--arms: no arm '{name}' in {p} (arms: {', '.join(known)})")
         all_arms = [a for a in all_arms if a.name in arms]
+    full = CompareSpec(p, base, spec_seeds, common, all_arms, probe_arm)
+    fast = CompareSpec(p, base, quick_seeds or spec_seeds, common + quick_common, all_arms,
+                       probe_arm)
+    # every arm's config builds (and the probe's arm's), with and without the quick settings
+    for arm in [probe_arm, *(a for a in all_arms if a is not probe_arm)]:
+        full.config(arm, full.seeds[0], "runs")
+        if q:
+            try:
+                fast.config(arm, fast.seeds[0], "runs")
+            except ConfigError as e:
+                raise ConfigError(f"{p}: with the quick settings: "
+                                  f"{str(e).removeprefix(f'{p}: ')}") from None
+    spec = fast if quick else full
     if seeds is not None:
-        spec_seeds = _seeds(seeds, "--seeds")
-    spec = CompareSpec(p, base, spec_seeds, common, all_arms, probe_arm)
-    for arm in spec.arms:
-        spec.config(arm, spec.seeds[0], "runs")
+        spec = dataclasses.replace(spec, seeds=_seeds(seeds, "--seeds"))
     return spec

@@ -15,12 +15,16 @@ from gspo.config import (
     check_engine_address,
     describe_fields,
     load_config,
+    read_yaml,
     resolve_path,
 )
 
 EXIT_USAGE = 2
 EXIT_GUARD_STOP = 3  # the run's guard stopped it (see guard.on_fault); a checkpoint was written
-USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, FileNotFoundError, FileExistsError)
+# a path the user gave that is missing, taken, not a folder (or is one), or not theirs to write
+USER_ERRORS: tuple[type[BaseException], ...] = (
+    ConfigError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError,
+    PermissionError)
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
@@ -84,40 +88,134 @@ def cmd_train(args: list[str]) -> int:
     return 0
 
 
+# What `gspo eval` reads of a run config besides `model` (which --model gives): a key=value
+# that is not one of these (or under one, "task": task.*) is an error, never silently ignored.
+# A CONFIG.yaml (a preset, a run's config.yaml) describes a whole run: eval reads these keys of
+# it and leaves the training ones. rollout.max_new_tokens: only as overlong_buffer's budget.
+EVAL_KEYS = ("seed", "device", "dtype", "num_threads", "task", "reward.functions",
+             "reward.weights", "reward.timeout_s", "reward.isolate", "reward.memory_mb",
+             "reward.overlong_buffer", "rollout.eval_max_new_tokens", "rollout.fast_decode",
+             "rollout.decode_matmul", "rollout.max_turns", "rollout.env")
+
+
+def _keys_set(data: Any, cls: type, prefix: str = "") -> list[str]:
+    """The dotted leaf keys a (checked) YAML mapping or override sets, e.g. ``optim.lr``."""
+    import dataclasses
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    keys: list[str] = []
+    for key, value in (data or {}).items():
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp) and isinstance(value, dict):
+            keys += _keys_set(value, tp, f"{prefix}{key}.")
+        else:
+            keys.append(f"{prefix}{key}")
+    return keys
+
+
+def _listed(keys: tuple[str, ...]) -> str:
+    return ", ".join("task.*" if k == "task" else k for k in keys)
+
+
+def _check_eval_keys(overrides: list[str], cfg: TrainConfig) -> None:
+    """A key=value the evaluation does not read, or ``model=`` next to --model: a
+    ConfigError."""
+    from gspo.config import parse_override
+
+    keys: list[str] = []
+    for item in overrides:
+        keys += _keys_set(parse_override(item), TrainConfig)
+    used = EVAL_KEYS + (("rollout.max_new_tokens",) if cfg.reward.overlong_buffer else ())
+    for key in keys:
+        if key == "model":
+            raise ConfigError("model: the model to evaluate is given by --model; drop model=")
+        if not any(key == k or key.startswith(f"{k}.") for k in used):
+            hint = (" (responses are capped by rollout.eval_max_new_tokens)"
+                    if key == "rollout.max_new_tokens" else "")
+            raise ConfigError(f"{key} is not used by gspo eval{hint}; `gspo eval --help` "
+                              "lists the keys it reads")
+
+
 def cmd_eval(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="gspo eval", description="greedy held-out accuracy")
     p.add_argument("--model", required=True, help="model folder (or smollm2-135m-instruct)")
-    p.add_argument("config", nargs="*", help="optional CONFIG.yaml and key=value overrides")
+    p.add_argument("config", nargs="*", help="optional CONFIG.yaml and key=value overrides of "
+                   f"the keys evaluation reads: {_listed(EVAL_KEYS)} (and "
+                   "rollout.max_new_tokens, the budget of reward.overlong_buffer)")
     ns = p.parse_args(argv)
     path, overrides = _split_args(ns.config)
     cfg = load_config(path, [*overrides, f"model={ns.model}"])
+    _check_eval_keys(overrides, cfg)
+    import torch
+
     from gspo.data import build_task
     from gspo.models import load_model
     from gspo.models.tokens import eos_ids
     from gspo.rewards import RewardScorer
+    from gspo.rewards.shaping import add_overlong
+    from gspo.rollout.multiturn import TurnLoop
+    from gspo.trainer.distributed import resolve_device
     from gspo.trainer.evaluate import evaluate
 
+    device = resolve_device(cfg.device)  # device=cuda without a GPU: before loading anything
     scorer = RewardScorer.from_specs(cfg.reward.functions, cfg.reward.weights)
     task = build_task(cfg.task, cfg.seed)
-    model, tok = load_model(cfg.model)
-    res = evaluate(model, tok, task.eval_examples, scorer, chat_template=cfg.task.chat_template,
-                   system_prompt=cfg.task.system_prompt,
-                   max_new_tokens=cfg.rollout.eval_max_new_tokens, eos=eos_ids(model, tok),
-                   pad_id=tok.pad_token_id, fast_decode=cfg.rollout.fast_decode,
-                   decode_matmul=cfg.rollout.decode_matmul)
+    if not task.eval_examples:
+        raise ConfigError("task: no held-out examples to evaluate (task.eval_size=0?)")
+    threads = torch.get_num_threads()
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    try:  # as the trainer evaluates (gspo.trainer.Trainer.setup and .evaluate)
+        torch.manual_seed(cfg.seed)
+        model, tok = load_model(cfg.model, dtype=getattr(torch, cfg.dtype), seed=cfg.seed)
+        model.to(device)
+        if cfg.reward.overlong_buffer:
+            scorer = add_overlong(scorer, max_tokens=cfg.rollout.max_new_tokens,
+                                  buffer_tokens=cfg.reward.overlong_buffer, tokenizer=tok)
+        scorer.timeout_s = cfg.reward.timeout_s
+        if cfg.reward.isolate == "process":
+            scorer.isolate(cfg.reward.functions, memory_mb=cfg.reward.memory_mb)
+        res = evaluate(model, tok, task.eval_examples, scorer,
+                       chat_template=cfg.task.chat_template, system_prompt=cfg.task.system_prompt,
+                       max_new_tokens=cfg.rollout.eval_max_new_tokens, eos=eos_ids(model, tok),
+                       pad_id=tok.pad_token_id, fast_decode=cfg.rollout.fast_decode,
+                       decode_matmul=cfg.rollout.decode_matmul,
+                       turns=TurnLoop.from_config(cfg.rollout, cfg.task, tok))
+    finally:
+        scorer.close()
+        torch.set_num_threads(threads)
     print(f"accuracy {res['accuracy']:.1%}  reward_mean {res['reward_mean']:.3f}  "
           f"n {int(res['n'])}")
     return 0
 
 
 def cmd_validate(args: list[str]) -> int:
+    """Check a run config (or every arm of a ``gspo compare`` file, with the overrides as
+    ``gspo compare`` applies them) as far as it goes without loading or training anything:
+    the config's fields, the options the loss takes, the model's name."""
     path, overrides = _split_args(args)
-    if path is not None and is_compare_file(path) and not overrides:
-        load_spec(path)  # a gspo compare file: checks every arm's run config
-    else:
-        from gspo.objectives import objective_from_config  # loads torch: only when needed
+    # these load torch: only when needed; gspo.trainer registers the sft: model source
+    import gspo.trainer  # noqa: F401
+    from gspo.models import ModelError
+    from gspo.models.loading import check_model
+    from gspo.objectives import objective_from_config
 
-        objective_from_config(load_config(path, overrides).objective)  # options the loss takes
+    if path is not None and is_compare_file(path):
+        # every arm's run config, as the file gives it and with its quick settings
+        quick = (False, True) if (read_yaml(path) or {}).get("quick") else (False,)
+        specs = [(load_spec(path, quick=q), " (quick)" if q else "") for q in quick]
+        runs = [(f"{spec.path}: arm '{arm.name}'{how}: ",
+                 spec.config(arm, spec.seeds[0], "runs", overrides))
+                for spec, how in specs for arm in spec.arms]
+    else:
+        runs = [("", load_config(path, overrides))]
+    for where, cfg in runs:
+        try:
+            objective_from_config(cfg.objective)  # the options the loss takes
+            check_model(cfg.model)
+        except (ConfigError, ModelError) as e:
+            raise ConfigError(f"{where}{e}") from None
     print(f"{path or 'defaults'}: ok")
     return 0
 

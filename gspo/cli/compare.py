@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 
 from gspo.analysis.compare import run_compare
-from gspo.analysis.spec import load_spec
+from gspo.analysis.spec import check_not_fixed, load_spec
 from gspo.config import ConfigError
 
 
@@ -54,6 +54,7 @@ def cmd_compare(argv: list[str]) -> int:
     for item in ns.overrides:
         if "=" not in item:
             raise ConfigError(f"expected key=value after the comparison file, got '{item}'")
+    check_not_fixed(ns.overrides, "command line")
     try:
         seeds = [int(s) for s in ns.seeds.split(",")] if ns.seeds else None
     except ValueError:

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from gspo.models.tiny import build_tiny
+from gspo.models.tiny import build_tiny, tiny_names
 from gspo.registry import Registry
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -106,8 +106,32 @@ def resolve_model(name: str) -> Path | str:
     source = _SOURCE.fullmatch(name)
     if source is not None and source[1] in MODEL_SOURCES:
         return MODEL_SOURCES[source[1]](source[2])
+    return _model_folder(name)
+
+
+def check_model(name: str) -> None:
+    """Raise :class:`ModelError` for a ``model`` that :func:`resolve_model` would refuse,
+    without converting, training or loading anything (``gspo validate``): an unknown tiny
+    preset, an unknown ``<source>:`` prefix, a missing folder or one without config.json.
+    What a registered source makes of the rest of its name is checked when it runs."""
+    if name == DEFAULT_MODEL:
+        return
+    if name.startswith("tiny:"):
+        if name.removeprefix("tiny:") not in tiny_names():
+            raise ModelError(f"model: unknown tiny model {name!r} (choose tiny:"
+                             f"{', tiny:'.join(tiny_names())})")
+        return
+    source = _SOURCE.fullmatch(name)
+    if source is None or source[1] not in MODEL_SOURCES:
+        _model_folder(name)
+
+
+def _model_folder(name: str) -> Path:
+    """``name`` as a local Hugging Face model folder (a ``<source>:`` prefix that is not
+    registered, and not a folder either, is named as such)."""
     path = Path(name).expanduser()
     if not path.is_dir():
+        source = _SOURCE.fullmatch(name)
         if source is not None:  # not a folder either: a misspelt or unregistered source
             known = ", ".join(["tiny", *MODEL_SOURCES.names()])
             raise ModelError(f"model: unknown model source '{source[1]}:' in {name!r} "

@@ -146,6 +146,11 @@ def _family_kwargs(family: str, head_dim: int, inter: int, num_experts: int,
     }
 
 
+def tiny_names() -> list[str]:
+    """The names ``tiny:<name>`` takes, sorted."""
+    return sorted(["llama", *SUPPORTED_MOE, *MOE_PRESETS])
+
+
 def tiny_config(name: str, vocab_size: int) -> Any:
     """Configs of the tiny presets: ``llama`` (dense), the MoE families of gspo.models.moe at
     their test size, and the sized presets of :data:`MOE_PRESETS`."""
@@ -161,8 +166,7 @@ def tiny_config(name: str, vocab_size: int) -> Any:
         cfg = tiny_moe_config(family, vocab_size=vocab_size, **sizes)
         cfg.pad_token_id, cfg.eos_token_id, cfg.bos_token_id = 0, 1, 2
         return cfg
-    raise ValueError(f"unknown tiny model '{name}' (choose llama or one of "
-                     f"{', '.join(sorted([*SUPPORTED_MOE, *MOE_PRESETS]))})")
+    raise ValueError(f"unknown tiny model '{name}' (choose one of {', '.join(tiny_names())})")
 
 
 def build_tiny(name: str, *, dtype: torch.dtype = torch.float32, seed: int = 0) -> tuple[Any, Any]:

@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from gspo.data import DataError
+
 
 def to_float(v: Any) -> float:
     if isinstance(v, torch.Tensor):
@@ -213,16 +215,25 @@ def rollout_metrics(roll: Any, batch: dict[str, torch.Tensor], entropy: torch.Te
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    """Rows of ``run_dir/metrics.jsonl``; a torn last line (a crashed run) is skipped."""
+    """Rows of ``run_dir/metrics.jsonl``; a torn last line (a run killed while writing it) is
+    skipped. Any other line that is not a JSON row with a step is a :class:`DataError` naming
+    it: the file was damaged, and results read from it would silently lack those steps."""
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"no metrics.jsonl in {run_dir}")
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     rows = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for i, line in enumerate(lines):
         try:
             row = json.loads(line)
         except json.JSONDecodeError:
-            continue
+            row = None
         if isinstance(row, dict) and isinstance(row.get("step"), (int, float)):
             rows.append(row)
+        elif i < len(lines) - 1 and line.strip():
+            raise DataError(f"{path}: line {i + 1} is not a metrics row with a step: "
+                            f"{line[:60]!r}")
     return rows

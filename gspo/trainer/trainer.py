@@ -261,8 +261,8 @@ class Trainer:
         self._start_engine()  # on the final policy, once the config fits what it can do
         self._choose_passes()
         # The pipeline's process starts at the end of setup, on the restored weights.
+        self.async_rollout = self._async_rollout(cfg.rollout.async_steps)  # started below
         self._check_unused_options()
-        self.async_rollout = self._async_rollout(cfg.rollout.async_steps)
         self.optimizer = torch.optim.AdamW(
             self.hooks.param_groups(self.model, cfg.optim.lr), lr=cfg.optim.lr,
             betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay,
@@ -716,10 +716,10 @@ class Trainer:
 
     def _check_unused_options(self) -> None:
         """Options this run would not read, once the task, the policy's hooks and the loop
-        (:attr:`engine_process`: the pipeline, or the synchronous loop) are known."""
+        (the pipeline, not started yet, or the synchronous loop) are known."""
         cfg = self.cfg
         every = cfg.logging.rollout_check_every
-        if (not self.engine_process and every != LoggingConfig.rollout_check_every
+        if (self.async_rollout is None and every != LoggingConfig.rollout_check_every
                 and (self._old_is_current() or self.hooks.active)):
             why = ("an MoE policy's routing" if self.hooks.active and not self._old_is_current()
                    else f"objective.old_logprobs={cfg.objective.old_logprobs}")

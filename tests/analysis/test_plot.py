@@ -105,3 +105,41 @@ def test_band_keeps_steps_when_seeds_sampled_different_counts(tmp_path) -> None:
     xs, mean, lo, hi = band(runs, "eval/accuracy", {})
     assert xs == [0.0, 48.0]  # (32 + 64) / 2 responses by step 2
     assert mean == [0.25, 0.625] and lo == [0.25, 0.5] and hi == [0.25, 0.75]
+
+
+def test_runs_with_the_same_folder_name_get_labels_that_tell_them_apart(tmp_path):
+    from gspo.analysis.plot import _run_labels
+    from gspo.config import ConfigError
+
+    a = fake_run(tmp_path / "x" / "runs" / "r", 0.0, keys=("reward/mean",))
+    b = fake_run(tmp_path / "y" / "runs" / "r", 0.1, keys=("reward/mean",))
+    assert _run_labels([a, b]) == ["x/runs/r", "y/runs/r"]  # "runs/r" twice dropped a run
+    assert _run_labels([a, tmp_path / "z"]) == ["r", "z"]
+    with pytest.raises(ConfigError, match="given twice"):
+        _run_labels([a, tmp_path / "x" / "runs" / ".." / "runs" / "r"])
+
+
+def test_a_figure_the_runs_have_no_data_for_is_not_left_from_an_earlier_call(tmp_path):
+    moe = fake_run(tmp_path / "moe", 0.0, keys=("reward/mean", "moe/routing_change"))
+    dense = fake_run(tmp_path / "dense", 0.0, keys=("reward/mean",))
+    out = tmp_path / "plots"
+    assert [p.name for p in plot_runs([moe], out)] == ["reward.png", "routing.png"]
+    (out / "mine.png").write_bytes(b"not ours")
+    assert [p.name for p in plot_runs([dense], out)] == ["reward.png"]
+    assert sorted(p.name for p in out.iterdir()) == ["mine.png", "reward.png"]
+
+
+def test_a_damaged_metrics_file_is_an_error_naming_the_line(tmp_path):
+    from gspo.data import DataError
+
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [json.dumps({"step": s, "reward/mean": 0.1}) for s in (1, 2, 3)]
+    (run / "metrics.jsonl").write_text("\n".join([rows[0], "garbage", rows[1], rows[2]]) + "\n")
+    with pytest.raises(DataError, match="line 2 is not a metrics row"):
+        read_metrics(run)  # it used to drop the line (and whatever step it held) silently
+    (run / "metrics.jsonl").write_text("\n".join([*rows, '{"step": 4, "rew']))
+    assert [r["step"] for r in read_metrics(run)] == [1, 2, 3]  # a torn last line: a kill
+    (run / "metrics.jsonl").write_bytes(b'{"step": 1}\n\xff\xfe\n')
+    with pytest.raises(DataError, match="not UTF-8"):
+        read_metrics(run)
