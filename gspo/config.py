@@ -101,8 +101,10 @@ class RolloutConfig:
     prompts_per_step: int = _f(4, "B: prompts per rollout batch")
     max_new_tokens: int = _f(24, "response length cap; longer responses are truncated")
     temperature: float = _f(0.7, "sampling temperature (log-probs use the same temperature)")
-    top_p: float = _f(1.0, "nucleus sampling; < 1 makes rollout log-probs differ from π")
-    top_k: int = _f(0, "top-k sampling (0 = off, keeps log-probs equal to the policy's)")
+    top_p: float = _f(
+        1.0, "nucleus sampling (< 1: samples come from the truncated distribution, not π; the hf "
+        "and llamacpp engines still record log π at the temperature, vLLM the truncated one's)")
+    top_k: int = _f(0, "top-k sampling (0 = off; > 0: as top_p < 1 for what is recorded)")
     engine: Literal["hf", "vllm", "llamacpp"] = _f(
         "hf", "rollout engine (gspo.rollout.ENGINES): 'hf' (own KV-cached sampler), 'vllm' or "
         "'llamacpp' (llama.cpp on Q8_0 weights)")
@@ -595,6 +597,13 @@ def validate(cfg: TrainConfig) -> None:
     _check(0 < r.top_p <= 1, "rollout.top_p must be in (0, 1]")
     _check(r.top_k >= 0, "rollout.top_k must be >= 0")
     _check(r.engine in ("hf", "vllm", "llamacpp"), f"rollout.engine: unknown engine '{r.engine}'")
+    _check(r.engine == "vllm" or (r.top_p == 1 and r.top_k == 0)
+           or (o.old_logprobs == "recompute" and o.correction.name == "none"),
+           f"rollout.top_p/top_k truncate the distribution the samples come from, but "
+           f"rollout.engine={r.engine} records log π (untruncated) for them: as the behaviour "
+           f"policy's log-probs (objective.old_logprobs={o.old_logprobs}, "
+           f"objective.correction.name={o.correction.name}) they would be wrong; use "
+           "top_p=1 and top_k=0, old_logprobs=recompute, or rollout.engine=vllm")
     _check(r.precision == "fp32" or (r.engine == "hf" and cfg.dtype == "float32"),
            "rollout.precision=bf16 needs rollout.engine=hf and dtype=float32 (a bfloat16 copy "
            "of the fp32 policy)")

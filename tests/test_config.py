@@ -315,11 +315,21 @@ def test_yaml_timestamp_like_override_is_a_string_or_error():
     (["logging.rollout_check_every=-1"], "logging.rollout_check_every must be >= 0"),
     (["moe.aux_loss_coef=-1"], "moe.aux_loss_coef"),
     (["objective.beta=inf"], "objective.beta must be a finite number"),
+    # the hf engine records log π, not the top-p/top-k truncated distribution it samples from
+    (["rollout.top_p=0.9", "objective.old_logprobs=rollout"], "rollout.engine=hf records log π"),
+    (["rollout.top_k=20", "objective.old_logprobs=decoupled", "objective.correction.name=tis"],
+     "rollout.top_p/top_k truncate"),
 ])
 def test_cross_field_checks(overrides, needle):
     with pytest.raises(ConfigError) as e:
         load_config(None, overrides)
     assert needle in _one_line_error(e)
+
+
+def test_truncated_sampling_is_accepted_where_nothing_takes_the_recorded_log_probs_for_it():
+    assert load_config(None, ["rollout.top_p=0.9"]).rollout.top_p == 0.9  # π_old recomputed
+    assert load_config(None, ["rollout.top_k=20", "rollout.engine=vllm",
+                              "objective.old_logprobs=rollout"]).rollout.top_k == 20
 
 
 def test_cross_field_accepts_edges():

@@ -91,11 +91,12 @@ def cmd_train(args: list[str]) -> int:
 # What `gspo eval` reads of a run config besides `model` (which --model gives): a key=value
 # that is not one of these (or under one, "task": task.*) is an error, never silently ignored.
 # A CONFIG.yaml (a preset, a run's config.yaml) describes a whole run: eval reads these keys of
-# it and leaves the training ones. rollout.max_new_tokens: only as overlong_buffer's budget.
+# it and leaves the training ones (reward.overlong_buffer too: a penalty on the sampling
+# budget, which evaluation leaves out, as the trainer's evaluation does).
 EVAL_KEYS = ("seed", "device", "dtype", "num_threads", "task", "reward.functions",
              "reward.weights", "reward.timeout_s", "reward.isolate", "reward.memory_mb",
-             "reward.overlong_buffer", "rollout.eval_max_new_tokens", "rollout.fast_decode",
-             "rollout.decode_matmul", "rollout.max_turns", "rollout.env")
+             "rollout.eval_max_new_tokens", "rollout.fast_decode", "rollout.decode_matmul",
+             "rollout.max_turns", "rollout.env")
 
 
 def _keys_set(data: Any, cls: type, prefix: str = "") -> list[str]:
@@ -118,7 +119,7 @@ def _listed(keys: tuple[str, ...]) -> str:
     return ", ".join("task.*" if k == "task" else k for k in keys)
 
 
-def _check_eval_keys(overrides: list[str], cfg: TrainConfig) -> None:
+def _check_eval_keys(overrides: list[str]) -> None:
     """A key=value the evaluation does not read, or ``model=`` next to --model: a
     ConfigError."""
     from gspo.config import parse_override
@@ -126,13 +127,14 @@ def _check_eval_keys(overrides: list[str], cfg: TrainConfig) -> None:
     keys: list[str] = []
     for item in overrides:
         keys += _keys_set(parse_override(item), TrainConfig)
-    used = EVAL_KEYS + (("rollout.max_new_tokens",) if cfg.reward.overlong_buffer else ())
     for key in keys:
         if key == "model":
             raise ConfigError("model: the model to evaluate is given by --model; drop model=")
-        if not any(key == k or key.startswith(f"{k}.") for k in used):
-            hint = (" (responses are capped by rollout.eval_max_new_tokens)"
-                    if key == "rollout.max_new_tokens" else "")
+        if not any(key == k or key.startswith(f"{k}.") for k in EVAL_KEYS):
+            hint = {"rollout.max_new_tokens": " (responses are capped by "
+                                              "rollout.eval_max_new_tokens)",
+                    "reward.overlong_buffer": " (a penalty on training's sampling budget; "
+                                              "evaluation scores the task)"}.get(key, "")
             raise ConfigError(f"{key} is not used by gspo eval{hint}; `gspo eval --help` "
                               "lists the keys it reads")
 
@@ -141,19 +143,17 @@ def cmd_eval(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="gspo eval", description="greedy held-out accuracy")
     p.add_argument("--model", required=True, help="model folder (or smollm2-135m-instruct)")
     p.add_argument("config", nargs="*", help="optional CONFIG.yaml and key=value overrides of "
-                   f"the keys evaluation reads: {_listed(EVAL_KEYS)} (and "
-                   "rollout.max_new_tokens, the budget of reward.overlong_buffer)")
+                   f"the keys evaluation reads: {_listed(EVAL_KEYS)}")
     ns = p.parse_args(argv)
     path, overrides = _split_args(ns.config)
     cfg = load_config(path, [*overrides, f"model={ns.model}"])
-    _check_eval_keys(overrides, cfg)
+    _check_eval_keys(overrides)
     import torch
 
     from gspo.data import build_task
     from gspo.models import load_model
     from gspo.models.tokens import eos_ids
     from gspo.rewards import RewardScorer
-    from gspo.rewards.shaping import add_overlong
     from gspo.rollout.multiturn import TurnLoop
     from gspo.trainer.distributed import resolve_device
     from gspo.trainer.evaluate import evaluate
@@ -170,9 +170,6 @@ def cmd_eval(argv: list[str]) -> int:
         torch.manual_seed(cfg.seed)
         model, tok = load_model(cfg.model, dtype=getattr(torch, cfg.dtype), seed=cfg.seed)
         model.to(device)
-        if cfg.reward.overlong_buffer:
-            scorer = add_overlong(scorer, max_tokens=cfg.rollout.max_new_tokens,
-                                  buffer_tokens=cfg.reward.overlong_buffer, tokenizer=tok)
         scorer.timeout_s = cfg.reward.timeout_s
         if cfg.reward.isolate == "process":
             scorer.isolate(cfg.reward.functions, memory_mb=cfg.reward.memory_mb)

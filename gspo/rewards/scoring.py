@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 import threading
@@ -15,6 +16,15 @@ from gspo.rewards.isolation import IsolatedFailure, RewardProcesses
 
 # Largest finite float32: the trainer holds rewards in float32, where a larger value is inf.
 FLOAT32_MAX = 3.4028234663852886e38
+
+
+def _declares(fn: Any, name: str) -> bool:
+    """Whether ``fn`` has a parameter called ``name`` (``**kwargs`` does not count)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a callable without a signature
+        return False
+    return name in params and params[name].kind is not inspect.Parameter.VAR_KEYWORD
 
 
 class RewardError(RuntimeError):
@@ -147,10 +157,18 @@ class RewardScorer:
                 return f"{name}: {report[-1] if report else 'failed'}"
         return None
 
-    def __call__(self, prompts: list[str], completions: list[str],
-                 columns: dict[str, list]) -> tuple[list[float], dict[str, list[float]]]:
-        """Total reward per response (NaN = unscorable) and each function's own values."""
-        per_fn = {name: self._call(name, fn, prompts, completions, columns)
+    def __call__(self, prompts: list[str], completions: list[str], columns: dict[str, list],
+                 *, response_tokens: list[int] | None = None
+                 ) -> tuple[list[float], dict[str, list[float]]]:
+        """Total reward per response (NaN = unscorable) and each function's own values.
+        ``response_tokens``: each response's number of sampled tokens (EOS included), given to
+        the functions that name a ``response_tokens`` parameter (not to ``**columns``)."""
+        def cols(fn: RewardFn) -> dict[str, list]:
+            if response_tokens is None or not _declares(fn, "response_tokens"):
+                return columns
+            return {**columns, "response_tokens": response_tokens}
+
+        per_fn = {name: self._call(name, fn, prompts, completions, cols(fn))
                   for name, fn in zip(self.names, self.functions)}
         total = [sum(w * per_fn[name][i] for name, w in zip(self.names, self.weights))
                  for i in range(len(completions))]

@@ -13,6 +13,7 @@ added to its task reward. Here ``L_max`` is ``rollout.max_new_tokens`` and ``L_c
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -57,9 +58,29 @@ def overlong_reward(*, max_tokens: int, buffer_tokens: int,
     return overlong
 
 
+OVERLONG = "overlong"  # the term's name: logged as reward/overlong
+
+
 def add_overlong(scorer: RewardScorer, *, max_tokens: int, buffer_tokens: int,
                  tokenizer: Any = None) -> RewardScorer:
-    """``scorer`` plus the overlong term (weight 1, logged as ``reward/overlong``)."""
+    """``scorer`` plus the overlong term (weight 1, logged as ``reward/overlong``). The
+    trainer passes the sampled token counts (``RewardScorer(..., response_tokens=)``): the
+    decoded text re-encoded can differ (EOS is dropped from the text, a byte that is not
+    UTF-8 decodes to U+FFFD, which encodes as several tokens)."""
     fn = overlong_reward(max_tokens=max_tokens, buffer_tokens=buffer_tokens, tokenizer=tokenizer)
-    return RewardScorer([*scorer.functions, fn], [*scorer.names, "overlong"],
+    return RewardScorer([*scorer.functions, fn], [*scorer.names, OVERLONG],
                         [*scorer.weights, 1.0])
+
+
+def without_overlong(scorer: RewardScorer) -> RewardScorer:
+    """``scorer`` less the overlong term, sharing its timeout, reward processes and failure
+    counts: evaluation's. The term is a training-time penalty on the sampling budget
+    (``rollout.max_new_tokens``); evaluation decodes to its own budget and scores the task."""
+    if OVERLONG not in scorer.names:
+        return scorer
+    keep = [i for i, n in enumerate(scorer.names) if n != OVERLONG]
+    out = copy.copy(scorer)  # the same failure counts, error reports, processes, timeout
+    out.functions = [scorer.functions[i] for i in keep]
+    out.names = [scorer.names[i] for i in keep]
+    out.weights = [scorer.weights[i] for i in keep]
+    return out

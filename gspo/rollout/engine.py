@@ -68,7 +68,10 @@ class RolloutEngine(Protocol):
     def generate(self, prompts: list[list[int]], *, group_size: int, params: SamplingParams,
                  seeds: list[int]) -> Rollout:
         """``group_size`` responses per prompt, rows of a group contiguous; prompt ``i``'s
-        samples are a function of ``seeds[i]`` alone (not of the batch they share)."""
+        samples are a function of ``seeds[i]`` alone (not of the batch they share), to the
+        rounding of the engine's arithmetic: in fp32 the other prompts' padding moves a logit by
+        ~1e-7, so a sample flips almost never; a bf16 copy (``rollout.precision=bf16``) moves it
+        by ~4e-3 and a sample in a few hundred can differ with the batch."""
         ...
 
     def sync_weights(self, policy: Any) -> None:

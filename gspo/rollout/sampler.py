@@ -112,7 +112,9 @@ def _uniforms(n: int, group_size: int, steps: int,
               generator: torch.Generator | list[torch.Generator] | None) -> torch.Tensor:
     """[n, steps] fp64 uniforms, drawn up front: row r uses ``u[r, step]``. With one generator
     per prompt, group p's rows come from generator p alone, so a row's samples depend neither on
-    the other prompts in the batch nor on when the other rows finish."""
+    the other prompts in the batch nor on when the other rows finish (up to the logits' own
+    dependence on the batch's padding: ~1e-7 in fp32, ~4e-3 in bf16, see
+    :meth:`gspo.rollout.engine.RolloutEngine.generate`)."""
     if isinstance(generator, list):
         return torch.cat([torch.rand((group_size, steps), dtype=torch.float64, generator=g)
                           for g in generator])
@@ -271,6 +273,9 @@ def generate(model: Any, prompts: list[list[int]], *, group_size: int, params: S
     """
     if decode_matmul not in ("auto", "blas", "onednn"):
         raise ValueError(f"decode_matmul: {decode_matmul!r} is not one of auto, blas, onednn")
+    empty = [i for i, p in enumerate(prompts) if not p]
+    if empty:  # its first token would be drawn from a padding position's logits
+        raise ValueError(f"generate: prompt {empty[0]} has no tokens")
     was_training = model.training
     model.eval()
     dev = model.get_input_embeddings().weight.device  # everything below is built there

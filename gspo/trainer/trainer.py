@@ -51,7 +51,7 @@ from gspo.models.packing import shared_prefix_logprobs
 from gspo.models.tokens import eos_ids
 from gspo.objectives import ADVANTAGES, group_stats, objective_from_config
 from gspo.rewards import RewardError, RewardScorer
-from gspo.rewards.shaping import add_overlong
+from gspo.rewards.shaping import add_overlong, without_overlong
 from gspo.rollout import (
     EngineOptions,
     Rollout,
@@ -606,7 +606,9 @@ class Trainer:
         columns: dict[str, list] = {"answer": [ex.answer for ex in examples for _ in range(g)]}
         for key in examples[0].columns:
             columns[key] = [ex.columns.get(key) for ex in examples for _ in range(g)]
-        total, per_fn = self.scorer(prompts, completions, columns)
+        sampled = ([len(r) for r in roll.response_ids] if roll.model_mask is None
+                   else [sum(m) for m in roll.model_mask])  # the policy's tokens, EOS included
+        total, per_fn = self.scorer(prompts, completions, columns, response_tokens=sampled)
         # Every rank's rewards in prompt order: batch-scaled advantages, the reward metrics and
         # the unscorable check below see the global batch, so all ranks raise or none does.
         rewards, _ = self.dist.gather(torch.tensor(total, dtype=torch.float32))
@@ -961,7 +963,9 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
     def evaluate(self) -> dict[str, float]:
-        return evaluate(self.model, self.tokenizer, self.task.eval_examples, self.scorer,
+        # the task's rewards: the overlong term penalises the sampling budget, not the answer
+        return evaluate(self.model, self.tokenizer, self.task.eval_examples,
+                        without_overlong(self.scorer),
                         chat_template=self.cfg.task.chat_template,
                         system_prompt=self.cfg.task.system_prompt,
                         max_new_tokens=self.cfg.rollout.eval_max_new_tokens, eos=self.eos,

@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from gspo.data import format_prompt
@@ -155,3 +156,12 @@ def test_a_groups_samples_do_not_depend_on_the_other_prompts():
     both = run(prompts[:2], [11, 12])
     assert run(prompts[:1], [11]) == both[:3]
     assert run(prompts[1:2], [12]) == both[3:]
+
+
+def test_an_empty_prompt_is_refused():
+    """Its first token would be drawn from a padding position's logits (and the trainer would
+    score it against another context)."""
+    model, _, prompts = _setup()
+    with pytest.raises(ValueError, match="prompt 1 has no tokens"):
+        generate(model, [prompts[0], []], group_size=2, eos=[1], pad_id=0,
+                 params=SamplingParams(max_new_tokens=2, temperature=1.0))

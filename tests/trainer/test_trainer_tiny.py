@@ -364,3 +364,50 @@ def test_a_resumed_run_keeps_its_zero_signal_streak_and_hides_redone_tensorboard
     events = EventAccumulator(str(first.run_dir / "tensorboard"))
     events.Reload()
     assert [e.step for e in events.Scalars("reward/mean")] == [1, 2, 3]
+
+
+def test_overlong_counts_the_sampled_tokens_and_evaluation_leaves_it_out(tmp_path, monkeypatch):
+    """reward.overlong_buffer: the penalty counts each response's sampled tokens, EOS included
+    (re-encoding the decoded text drops EOS, and a byte that is not UTF-8 comes back as several
+    tokens); the held-out evaluations score the task without it (a correct answer longer than
+    the training budget counted as wrong)."""
+    t = Trainer(_cfg(tmp_path, "ol", "steps=1", "task.eval_size=2", "rollout.max_new_tokens=6",
+                     "reward.overlong_buffer=3", "rollout.eval_max_new_tokens=8"),
+                reward_fns=[char_codes]).setup()
+    assert t.scorer.names == ["char_codes", "overlong"]
+    overlong, seen, rolls = t.scorer.functions[-1], [], []
+
+    def spy(prompts, completions, *, response_tokens=None, **columns):
+        seen.append(response_tokens)
+        return overlong(prompts, completions, response_tokens=response_tokens, **columns)
+
+    t.scorer.functions[-1] = spy
+    real_rollout = t.rollout
+
+    def rollout(draw=0):
+        out = real_rollout(draw)
+        rolls.append(out[1])
+        return out
+
+    monkeypatch.setattr(t, "rollout", rollout)
+    t.train()
+    assert len(rolls) == 1 and seen == [[len(r) for r in rolls[0].response_ids]]
+
+
+def test_only_a_reward_that_names_response_tokens_gets_them():
+    from gspo.rewards import RewardScorer
+
+    got = {}
+
+    def named(prompts, completions, *, response_tokens, **columns):
+        got["named"] = (response_tokens, sorted(columns))
+        return [1.0] * len(completions)
+
+    def loose(prompts, completions, **columns):
+        got["loose"] = sorted(columns)
+        return [1.0] * len(completions)
+
+    scorer = RewardScorer([named, loose], ["named", "loose"], [1.0, 1.0])
+    total, _ = scorer(["p", "q"], ["a", "b"], {"answer": ["1", "2"]}, response_tokens=[3, 4])
+    assert total == [2.0, 2.0]
+    assert got == {"named": ([3, 4], ["answer"]), "loose": ["answer"]}
