@@ -61,12 +61,14 @@ class TaskConfig:
         {}, "task.name=reasoning_gym: fields of the dataset's config (difficulty), passed "
         "through, e.g. task.options.max_terms=3")
     split: str = _f("train", "task.name=dataset: split to train on")
-    eval_split: str = _f("", "task.name=dataset: held-out split (empty: hold out eval_size rows)")
+    eval_split: str = _f("", "task.name=dataset: held-out split (empty: hold out eval_size "
+                         "problems, every row of a prompt on one side)")
     countdown_numbers: int = _f(3, "task.name=countdown: how many numbers each problem gives")
     prompt_template: str = _f(
         "", "task.name=arithmetic: the prompt, with {problem} where e.g. 12*34 goes (empty: "
         "'What is {problem}? Answer with a number.')")
-    eval_path: str = _f("", "held-out JSONL file (empty: hold out eval_size rows of path)")
+    eval_path: str = _f("", "held-out JSONL file (empty: hold out eval_size problems of path); "
+                        "training leaves out the rows whose prompt it holds")
     prompt_field: str = _f("prompt", "dataset column holding the prompt")
     answer_field: str = _f("answer", "dataset column holding the reference answer")
     system_prompt: str = _f("You are a helpful assistant.",

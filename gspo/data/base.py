@@ -89,11 +89,40 @@ def to_tuple(x: Any) -> Any:
 
 def hold_out(rows: list[Example], eval_size: int, seed: int
              ) -> tuple[list[Example], list[Example]]:
-    """(train, eval): a seeded ``min(eval_size, len/5)`` rows are held out for evaluation."""
-    order = list(range(len(rows)))
+    """(train, eval): a seeded ``min(eval_size, problems // 5)`` problems are held out.
+
+    A problem is a distinct prompt: every row of a held-out prompt goes to the eval side, so
+    a prompt that the source repeats is never both trained on and evaluated. (With distinct
+    prompts this is the row split it always was: the same seed gives the same split.)
+    """
+    groups: dict[str, list[Example]] = {}
+    for row in rows:
+        groups.setdefault(row.prompt, []).append(row)
+    problems = list(groups.values())
+    order = list(range(len(problems)))
     random.Random(f"split-{seed}").shuffle(order)
-    n_eval = min(eval_size, len(rows) // 5)
-    return [rows[i] for i in order[n_eval:]], [rows[i] for i in order[:n_eval]]
+    n_eval = min(eval_size, len(problems) // 5)
+    return ([row for i in order[n_eval:] for row in problems[i]],
+            [row for i in order[:n_eval] for row in problems[i]])
+
+
+def without_held_out(rows: list[Example], eval_rows: list[Example], train_source: str,
+                     eval_source: str) -> list[Example]:
+    """``rows`` less those whose prompt is in the separate held-out set ``eval_rows``.
+
+    The rows left out are counted in one printed line; leaving out every row is a
+    :class:`DataError`.
+    """
+    held = {ex.prompt for ex in eval_rows}
+    kept = [ex for ex in rows if ex.prompt not in held]
+    left_out = len(rows) - len(kept)
+    if left_out and not kept:
+        raise DataError(f"{train_source}: every one of its {len(rows)} rows has a prompt that is "
+                        f"also in the held-out set ({eval_source}); nothing is left to train on")
+    if left_out:
+        print(f"{train_source}: left out {left_out} of {len(rows)} training rows whose prompt "
+              f"is also in the held-out set ({eval_source})", flush=True)
+    return kept
 
 
 class DatasetTask:

@@ -10,7 +10,10 @@ from gspo.data.base import DataError, Example, reward_columns
 
 def load_jsonl(path: str, prompt_field: str = "prompt",
                answer_field: str = "answer") -> list[Example]:
-    """Read ``path``; every other column is passed to reward functions under its own name."""
+    """Read ``path``; every other column is passed to reward functions under its own name.
+
+    A row without the prompt or answer field, or with it ``null``, is a :class:`DataError`.
+    """
     p = Path(path)
     if not p.is_file():
         raise DataError(f"dataset not found: {p}")
@@ -34,6 +37,8 @@ def load_jsonl(path: str, prompt_field: str = "prompt",
         for name in (prompt_field, answer_field):
             if name not in row:
                 raise DataError(f"{p}:{i}: missing field '{name}'")
+            if row[name] is None:
+                raise DataError(f"{p}:{i}: column '{name}' is empty (null)")
         if not isinstance(row[prompt_field], str) or not row[prompt_field].strip():
             raise DataError(f"{p}:{i}: field '{prompt_field}' must be a non-empty string")
         extra = reward_columns(row, prompt_field, answer_field, f"{p}:{i}")

@@ -7,12 +7,20 @@ stopped. Problems are reported as a one-line :class:`DataError` naming the sourc
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from gspo.config import TaskConfig
-from gspo.data.base import DataError, DatasetTask, Example, hold_out, reward_columns
+from gspo.data.base import (
+    DataError,
+    DatasetTask,
+    Example,
+    hold_out,
+    reward_columns,
+    without_held_out,
+)
 
 # File suffix -> the `datasets` builder that reads it.
 BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
@@ -23,15 +31,39 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
 
 
+def _is_empty(value: Any) -> bool:
+    """A missing cell: ``None`` (``datasets`` fills absent columns and null cells with it) or
+    NaN (pandas' missing value)."""
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
+def _answer_text(value: Any, float_column: bool) -> str:
+    """The reference answer as text. In a float column (``datasets`` widens a CSV or JSON
+    column of integers and decimals to float) an integer-valued answer keeps its integer
+    spelling, ``4`` rather than ``4.0``."""
+    if float_column and isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
+        return str(int(value))
+    return str(value)
+
+
 def records_to_examples(records: Iterable[Mapping[str, Any]], *, prompt_field: str = "prompt",
                         answer_field: str = "answer", source: str = "dataset") -> list[Example]:
-    """Rows (dicts, or a ``datasets.Dataset``) -> Examples; other columns go to the rewards."""
+    """Rows (dicts, or a ``datasets.Dataset``) -> Examples; other columns go to the rewards.
+
+    A row whose prompt or answer is missing, null or NaN is a :class:`DataError`.
+    """
     columns = getattr(records, "column_names", None)  # a datasets.Dataset: check once, up front
+    float_answers, empty_hint = False, " (missing or null)"
     if columns is not None:
         for name in (prompt_field, answer_field):
             if name not in columns:
                 raise DataError(f"{source}: column '{name}' not found "
                                 f"(columns: {', '.join(columns)})")
+        feature = getattr(records, "features", {}).get(answer_field)
+        float_answers = str(getattr(feature, "dtype", "")).startswith("float")
+        info = getattr(records, "info", None)
+        if getattr(info, "builder_name", None) == "csv":
+            empty_hint = " (blank, or a cell pandas reads as missing: NA, null, None, nan)"
     rows: list[Example] = []
     for i, row in enumerate(records):
         if not isinstance(row, Mapping):
@@ -40,12 +72,14 @@ def records_to_examples(records: Iterable[Mapping[str, Any]], *, prompt_field: s
             if name not in row:
                 raise DataError(f"{source}: row {i} has no column '{name}' "
                                 f"(columns: {', '.join(map(str, row))})")
+            if _is_empty(row[name]):
+                raise DataError(f"{source}: row {i}: column '{name}' is empty{empty_hint}")
         prompt = row[prompt_field]
         if not isinstance(prompt, str) or not prompt.strip():
             raise DataError(f"{source}: row {i}: column '{prompt_field}' must be a non-empty "
                             "string")
         extra = reward_columns(row, prompt_field, answer_field, f"{source}: row {i}")
-        rows.append(Example(prompt, str(row[answer_field]), extra))
+        rows.append(Example(prompt, _answer_text(row[answer_field], float_answers), extra))
     return rows
 
 
@@ -102,20 +136,26 @@ def dataset_task(cfg: TaskConfig, seed: int) -> DatasetTask:
         return rows
 
     if cfg.eval_split:
-        return DatasetTask(examples(cfg.split), examples(cfg.eval_split), seed)
+        train, held = examples(cfg.split), examples(cfg.eval_split)
+        train = without_held_out(train, held, f"{cfg.path} [{cfg.split}]",
+                                 f"{cfg.path} [{cfg.eval_split}]")
+        return DatasetTask(train, held, seed)
     train, held = hold_out(examples(cfg.split), cfg.eval_size, seed)
     return DatasetTask(train, held, seed)
 
 
 def task_from_records(train: Any, eval_records: Any, cfg: TaskConfig, seed: int) -> DatasetTask:
     """A task from in-memory rows (``Trainer(train_dataset=...)``): a ``datasets.Dataset`` or a
-    list of dicts with the ``task.prompt_field`` / ``task.answer_field`` columns."""
+    list of dicts with the ``task.prompt_field`` / ``task.answer_field`` columns. Training
+    leaves out the rows whose prompt is in ``eval_records``; without them, ``task.eval_size``
+    problems (distinct prompts, every row of each) are held out."""
     fields = {"prompt_field": cfg.prompt_field, "answer_field": cfg.answer_field}
     rows = records_to_examples(train, **fields, source="train_dataset")
     if not rows:
         raise DataError("train_dataset is empty")
     if eval_records is not None:
-        return DatasetTask(rows, records_to_examples(eval_records, **fields,
-                                                     source="eval_dataset"), seed)
+        held = records_to_examples(eval_records, **fields, source="eval_dataset")
+        return DatasetTask(without_held_out(rows, held, "train_dataset", "eval_dataset"), held,
+                           seed)
     train_rows, held = hold_out(rows, cfg.eval_size, seed)
     return DatasetTask(train_rows, held, seed)

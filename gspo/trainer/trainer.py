@@ -176,7 +176,7 @@ class Trainer:
     ``tokenizer``, or a config ``model`` name/folder), ``reward_fns`` (callables or registered
     names) and ``train_dataset`` / ``eval_dataset`` (a ``datasets.Dataset`` or a list of dicts
     with the ``task.prompt_field`` / ``task.answer_field`` columns; without ``eval_dataset``,
-    ``task.eval_size`` rows are held out).
+    ``task.eval_size`` problems are held out, every row of a prompt on the same side).
     """
 
     def __init__(self, cfg: TrainConfig | None = None, *, reward_fns: list[Any] | None = None,

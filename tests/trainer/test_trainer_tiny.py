@@ -188,20 +188,26 @@ def test_old_logprobs_from_inference_mode_come_back_as_normal_tensors(tmp_path):
         lp.add_(0.0)  # an inference tensor refuses in-place updates outside inference mode
 
 
-def test_rollout_logprobs_skip_the_old_pass_except_on_check_steps(tmp_path, monkeypatch):
-    """objective.old_logprobs=rollout: the π_old pass runs only every rollout_check_every
-    steps (for the gap and entropy metrics); the update uses the sampler's log-probs."""
-    trainer = Trainer(_cfg(tmp_path, "skip", "steps=3", "eval_before=false", "task.eval_size=0",
-                           "objective.old_logprobs=rollout", "logging.rollout_check_every=2"),
-                      reward_fns=[starts_with_digit]).setup()
+def _train_counting_old_passes(trainer, monkeypatch):
+    """Train; how many times the trainer ran its log-prob pass (π_old, or π_θ after the
+    update), and the metrics rows of the steps."""
     calls = []
     real = trainer.old_logprobs
     monkeypatch.setattr(trainer, "old_logprobs",
                         lambda b, rows=None: calls.append(1) or real(b, rows))
     trainer.train()
     rows = [json.loads(x) for x in open(trainer.run_dir / "metrics.jsonl")]
-    rows = [r for r in rows if "reward/mean" in r]
-    assert len(calls) == 2  # steps 0 and 2 of 0, 1, 2
+    return len(calls), [r for r in rows if "reward/mean" in r]
+
+
+def test_rollout_logprobs_skip_the_old_pass_except_on_check_steps(tmp_path, monkeypatch):
+    """objective.old_logprobs=rollout: the π_old pass runs only every rollout_check_every
+    steps (for the gap and entropy metrics); the update uses the sampler's log-probs."""
+    trainer = Trainer(_cfg(tmp_path, "skip", "steps=3", "eval_before=false", "task.eval_size=0",
+                           "objective.old_logprobs=rollout", "logging.rollout_check_every=2"),
+                      reward_fns=[starts_with_digit]).setup()
+    calls, rows = _train_counting_old_passes(trainer, monkeypatch)
+    assert calls == 2  # steps 0 and 2 of 0, 1, 2
     assert ["train/entropy" in r for r in rows] == [True, False, True]
     assert all("objective/clip_frac_tokens" in r for r in rows)
 
@@ -213,14 +219,8 @@ def test_drift_steps_run_the_check_pass_the_drift_is_measured_against(tmp_path, 
     trainer = Trainer(_cfg(tmp_path, "drift", "steps=3", "eval_before=false", "task.eval_size=0",
                            "objective.old_logprobs=rollout", "logging.rollout_check_every=0",
                            "logging.drift_every=2"), reward_fns=[starts_with_digit]).setup()
-    calls = []
-    real = trainer.old_logprobs
-    monkeypatch.setattr(trainer, "old_logprobs",
-                        lambda b, rows=None: calls.append(1) or real(b, rows))
-    trainer.train()
-    rows = [json.loads(x) for x in open(trainer.run_dir / "metrics.jsonl")]
-    rows = [r for r in rows if "reward/mean" in r]
-    assert len(calls) == 4  # π_old and the drift pass on steps 0 and 2
+    calls, rows = _train_counting_old_passes(trainer, monkeypatch)
+    assert calls == 4  # π_old and the drift pass on steps 0 and 2
     assert ["drift/seq_log_ratio_abs_p50" in r for r in rows] == [True, False, True]
     assert ["mismatch/k3_kl" in r for r in rows] == [True, False, True]
 
