@@ -7,9 +7,10 @@
 from __future__ import annotations
 
 import importlib
-import math
 import re
+import unicodedata
 from collections.abc import Callable
+from fractions import Fraction
 from typing import Any
 
 from gspo.registry import Registry
@@ -23,7 +24,10 @@ REWARDS: Registry[RewardFn] = Registry("reward function")
 class RewardSpecError(ValueError):
     """A reward named in the config cannot be found or imported."""
 
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+# A number: an optional minus (ASCII '-', U+2212 MINUS SIGN or U+FF0D FULLWIDTH HYPHEN-MINUS),
+# then digits with optional thousands commas and decimals ("1,234.5"), or only decimals (".5", not
+# the ".5" of "1.2.5" or "...5"). \d is any Unicode decimal digit (Arabic-Indic, fullwidth, ...).
+_NUMBER = re.compile(r"[-\u2212\uff0d]?(?:\d[\d,]*(?:\.\d+)?|(?<![\d.])\.\d+)")
 
 
 def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
@@ -53,34 +57,59 @@ def resolve_reward(spec: str | RewardFn) -> RewardFn:
     return REWARDS[spec]
 
 
-def extract_number(text: str) -> float | None:
-    """The last number in ``text`` (``-12``, ``1,234``, ``3.5``), or None when there is none."""
+def _last_number_text(text: str) -> str | None:
+    """The last number in ``text`` in ASCII (``-1234.5``), or None when there is none."""
     found = _NUMBER.findall(text)
     if not found:
         return None
-    try:
-        return float(found[-1].replace(",", "").rstrip("."))
-    except ValueError:
+    out = []
+    for ch in found[-1]:
+        if ch in "-\u2212\uff0d":
+            out.append("-")
+        elif ch == ".":
+            out.append(".")
+        elif ch != ",":
+            out.append(str(unicodedata.decimal(ch)))  # \d matched: a Unicode decimal digit
+    return "".join(out)
+
+
+def extract_exact_number(text: str) -> Fraction | None:
+    """The last number in ``text`` as an exact fraction (``"12.0"`` is 12, ``"0.1"`` is 1/10),
+    or None when there is none; see :func:`extract_number` for what counts as a number."""
+    number = _last_number_text(text)
+    if number is None:
         return None
+    try:
+        return Fraction(number)
+    except (ValueError, ZeroDivisionError):  # e.g. more digits than int() converts
+        return None
+
+
+def extract_number(text: str) -> float | None:
+    """The last number in ``text`` (``-12``, ``1,234``, ``3.5``, ``.5``, ``−3`` with U+2212), or
+    None when there is none. Digits of any script count (``٣``, ``７``)."""
+    number = _last_number_text(text)
+    return None if number is None else float(number)  # inf past float's range, as before
 
 
 @register_reward("numeric_match")
 def numeric_match(prompts: list[str], completions: list[str], *, answer: list[str],
                   **_: Any) -> list[float | None]:
-    """1.0 when the last number in the response equals the reference answer, else 0.0.
+    """1.0 when the last number in the response equals the reference answer exactly, else 0.0.
 
     Answer format: the response may say anything, but its final number is read as the answer
-    ("3 + 4 = 7" and "The answer is 7." both score 1). A reference that is not a number makes
-    that row unscorable (None).
+    ("3 + 4 = 7" and "The answer is 7." both score 1). Numbers compare as exact decimals:
+    ``12.0`` equals ``12``, but ``12345678902`` does not equal ``12345678901`` and ``0.5`` (also
+    written ``.5``) does not equal ``5``. A reference that is not a number makes that row
+    unscorable (None).
     """
     out: list[float | None] = []
     for completion, ref in zip(completions, answer):
-        target = extract_number(str(ref))
+        target = extract_exact_number(str(ref))
         if target is None:
             out.append(None)
             continue
-        got = extract_number(completion)
-        out.append(float(got is not None and math.isclose(got, target, abs_tol=1e-9)))
+        out.append(float(extract_exact_number(completion) == target))
     return out
 
 
