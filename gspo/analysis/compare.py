@@ -32,12 +32,13 @@ from typing import Any
 import torch
 import yaml
 
-from gspo.analysis.report import DONE, read_done, summarize, write_atomic, write_report
+from gspo.analysis.report import DONE, read_done, summarize, write_report
 from gspo.analysis.spec import CompareSpec
 from gspo.config import ConfigError, TrainConfig, to_dict, validate
 from gspo.models.moe import expert_change, routing_change
 from gspo.objectives import objective_from_config
 from gspo.trainer import Trainer
+from gspo.trainer.checkpoint import atomic_write_text
 from gspo.trainer.update import UpdatePlan, policy_update
 
 # written into a run folder before its run starts: only such a folder may compare delete
@@ -109,7 +110,7 @@ def run_one(cfg: TrainConfig, info: dict[str, Any], log: Callable[[str], None]) 
         raise KeyboardInterrupt
     wall = time.perf_counter() - start
     done = {**info, "wall_s": wall, "before": result.get("before"), "after": result.get("after")}
-    write_atomic(run_dir / DONE, json.dumps(done, indent=2))
+    atomic_write_text(run_dir / DONE, json.dumps(done, indent=2))
     after = result.get("after") or {}
     acc = f", held-out accuracy after {after['accuracy']:.1%}" if "accuracy" in after else ""
     log(f"{cfg.run_name}: {wall:.0f} s{acc}")
@@ -197,7 +198,7 @@ def run_probe(spec: CompareSpec, seed: int, runs_dir: Path, extra: list[str],
             return read_done(run_dir) or {}
         _mark_started(run_dir)
         res = first_update_probe(cfg)
-        write_atomic(run_dir / DONE, json.dumps(res, indent=2))
+        atomic_write_text(run_dir / DONE, json.dumps(res, indent=2))
     if res:
         log(f"probe seed {seed}: after one update {res['token_change']:.1%} of (token, layer) "
             f"changed expert set, {res['expert_change']:.1%} of chosen experts changed")

@@ -36,7 +36,6 @@ import math
 import os
 import platform
 import statistics
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +43,7 @@ import yaml
 
 from gspo.analysis.report_plots import plot_compare
 from gspo.config import ConfigError
+from gspo.trainer.checkpoint import atomic_write_text
 from gspo.trainer.metrics import read_metrics
 
 DONE = "compare.json"  # written into a run folder (atomically) once its run finished
@@ -103,21 +103,6 @@ _STEP_MEANS = {"clip_frac_tokens": "objective/clip_frac_tokens",
 def _mean(values: list[float]) -> float:
     values = [v for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
     return sum(values) / len(values) if values else math.nan
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` whole or not at all: a temporary file beside it, flushed to
-    disk, then renamed over it (a reader, or a process killed midway, never sees half a file)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def read_done(run_dir: Path) -> dict[str, Any] | None:
@@ -306,7 +291,7 @@ def write_report(summary: dict[str, Any], runs: dict[str, dict[int, Path]],
         _probe_text(summary["probe"]),
         "## Per seed", _per_seed_table(summary), "## Plots", images,
         "## Base run config", f"```yaml\n{summary['base_config']}```"])
-    write_atomic(out_dir / "results.md", text + "\n")
-    write_atomic(out_dir / "summary.json", json.dumps(summary, indent=2, default=str))
+    atomic_write_text(out_dir / "results.md", text + "\n")
+    atomic_write_text(out_dir / "summary.json", json.dumps(summary, indent=2, default=str))
     return pngs
 

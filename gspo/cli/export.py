@@ -26,7 +26,7 @@ import torch
 from gspo.config import ConfigError, load_config
 from gspo.models import ModelError
 from gspo.models.loading import PLAIN_TORCH, load_model
-from gspo.trainer.checkpoint import latest_checkpoint
+from gspo.trainer.checkpoint import fsync_tree, latest_checkpoint
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 CHECKPOINT_ONLY = ("state.json", "optimizer.pt")  # files of a training checkpoint, not an export
@@ -61,18 +61,6 @@ def _check_out(out: Path, force: bool) -> None:
     if not (out / "config.json").is_file() or any((out / f).exists() for f in CHECKPOINT_ONLY):
         raise FileExistsError(f"export: --force replaces only a saved model folder, and {out} "
                               "is not one (no config.json, or a run's checkpoint)")
-
-
-def _fsync_tree(folder: Path) -> None:
-    for f in sorted(folder.rglob("*")):
-        if f.is_file():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _put_in_place(tmp: Path, out: Path, force: bool) -> None:
@@ -177,7 +165,7 @@ def export_merged(run_dir: str | Path, out: str | Path, *, base_model: str = "",
         tmp.mkdir()  # not mkdtemp: OUT gets the permissions of a folder made by hand
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        _fsync_tree(tmp)
+        fsync_tree(tmp)
         _check_out(out, force)  # again: another process may have filled it meanwhile
         _put_in_place(tmp, out, force)
     finally:

@@ -47,7 +47,8 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _fsync_tree(path: Path) -> None:
+def fsync_tree(path: Path) -> None:
+    """Flush every file below ``path``, and ``path`` itself, to disk."""
     for f in sorted(path.rglob("*")):
         if f.is_file():
             with open(f, "rb") as fh:
@@ -56,12 +57,19 @@ def _fsync_tree(path: Path) -> None:
 
 
 def atomic_write_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` whole or not at all: a temporary file beside it, flushed to
+    disk, then renamed over it (a reader, or a process killed midway, never sees half a file;
+    one interrupted by an exception leaves no temporary file either)."""
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _discard(folder: Path) -> None:
@@ -88,7 +96,7 @@ def save_checkpoint(root: Path, step: int, model: Any, tokenizer: Any, optim_sta
     _phase("weights", step)  # the folder holds weights but no optimizer.pt / state.json yet
     torch.save(optim_state, tmp / "optimizer.pt")
     (tmp / "state.json").write_text(json.dumps(state))
-    _fsync_tree(tmp)
+    fsync_tree(tmp)
     _phase("complete", step)
     if final.exists():  # re-saving the same step (e.g. after a resume): replace it whole
         _discard(final)

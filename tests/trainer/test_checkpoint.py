@@ -248,6 +248,6 @@ def test_atomic_write_text_replaces_whole_or_not_at_all(tmp_path, monkeypatch):
         atomic_write_text(target, "step_000003")
     assert target.read_text() == "step_000002"  # the old content, never a partial new one
     monkeypatch.undo()
-    atomic_write_text(target, json.dumps({"k": 1}))  # a leftover temporary file is overwritten
+    atomic_write_text(target, json.dumps({"k": 1}))  # the failed write left nothing in the way
     assert json.loads(target.read_text()) == {"k": 1}
     assert [p.name for p in tmp_path.iterdir()] == ["latest"]
