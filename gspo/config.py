@@ -772,7 +772,7 @@ def _validate_task_fields(t: TaskConfig) -> None:
                f"(task.name={t.name})")
     held_out = (t.name == "jsonl" and t.eval_path) or (t.name == "dataset" and t.eval_split)
     _check(not held_out or t.eval_size == default.eval_size,
-           "task.eval_size sizes the rows held out of task.path; it is unused with a held-out "
+           "task.eval_size sizes the problems held out of task.path; it is unused with a held-out "
            f"set of its own (task.{'eval_path' if t.name == 'jsonl' else 'eval_split'})")
 
 

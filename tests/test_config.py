@@ -301,7 +301,7 @@ def test_yaml_timestamp_like_override_is_a_string_or_error():
     (["task.name=jsonl", "task.path=x", "task.split=test"], "task.split is used only"),
     (["task.countdown_numbers=4"], "task.countdown_numbers is used only"),
     (["task.name=jsonl", "task.path=x", "task.eval_path=y", "task.eval_size=5"],
-     "task.eval_size sizes the rows held out"),
+     "task.eval_size sizes the problems held out"),
     (["task.chat_template=false", "task.system_prompt=Be brief."], "task.system_prompt goes"),
     # values that used to pass and fail late (or act oddly)
     (["num_threads=-1"], "num_threads must be >= 0"),

@@ -730,7 +730,7 @@ class Trainer:
                               "objective.old_logprobs=rollout and to rollout.async_steps > 0")
         if not self.task.eval_examples:
             for key, value, default in (
-                    ("eval_every", cfg.eval_every, 0),
+                    ("eval_every", cfg.eval_every, TrainConfig.eval_every),
                     ("rollout.eval_max_new_tokens", cfg.rollout.eval_max_new_tokens,
                      RolloutConfig.eval_max_new_tokens)):
                 if value != default:
