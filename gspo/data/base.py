@@ -125,6 +125,18 @@ def without_held_out(rows: list[Example], eval_rows: list[Example], train_source
     return kept
 
 
+def held_out_task(rows: list[Example], eval_rows: list[Example] | None, *, eval_size: int,
+                  seed: int, train_source: str, eval_source: str) -> DatasetTask:
+    """A :class:`DatasetTask` of ``rows`` and a separate held-out set ``eval_rows`` (its prompts
+    left out of training, :func:`without_held_out`), or without one ``eval_size`` problems held
+    out of ``rows`` (:func:`hold_out`)."""
+    if eval_rows is None:
+        train, held = hold_out(rows, eval_size, seed)
+    else:
+        train, held = without_held_out(rows, eval_rows, train_source, eval_source), eval_rows
+    return DatasetTask(train, held, seed)
+
+
 class DatasetTask:
     """Prompts from a fixed list of rows, drawn in a seeded shuffled order, epoch after epoch."""
 

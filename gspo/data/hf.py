@@ -17,9 +17,8 @@ from gspo.data.base import (
     DataError,
     DatasetTask,
     Example,
-    hold_out,
+    held_out_task,
     reward_columns,
-    without_held_out,
 )
 
 # File suffix -> the `datasets` builder that reads it.
@@ -135,13 +134,11 @@ def dataset_task(cfg: TaskConfig, seed: int) -> DatasetTask:
             raise DataError(f"{cfg.path}: split '{split}' is empty")
         return rows
 
-    if cfg.eval_split:
-        train, held = examples(cfg.split), examples(cfg.eval_split)
-        train = without_held_out(train, held, f"{cfg.path} [{cfg.split}]",
-                                 f"{cfg.path} [{cfg.eval_split}]")
-        return DatasetTask(train, held, seed)
-    train, held = hold_out(examples(cfg.split), cfg.eval_size, seed)
-    return DatasetTask(train, held, seed)
+    return held_out_task(examples(cfg.split),
+                         examples(cfg.eval_split) if cfg.eval_split else None,
+                         eval_size=cfg.eval_size, seed=seed,
+                         train_source=f"{cfg.path} [{cfg.split}]",
+                         eval_source=f"{cfg.path} [{cfg.eval_split}]")
 
 
 def task_from_records(train: Any, eval_records: Any, cfg: TaskConfig, seed: int) -> DatasetTask:
@@ -153,9 +150,7 @@ def task_from_records(train: Any, eval_records: Any, cfg: TaskConfig, seed: int)
     rows = records_to_examples(train, **fields, source="train_dataset")
     if not rows:
         raise DataError("train_dataset is empty")
-    if eval_records is not None:
-        held = records_to_examples(eval_records, **fields, source="eval_dataset")
-        return DatasetTask(without_held_out(rows, held, "train_dataset", "eval_dataset"), held,
-                           seed)
-    train_rows, held = hold_out(rows, cfg.eval_size, seed)
-    return DatasetTask(train_rows, held, seed)
+    held = (None if eval_records is None
+            else records_to_examples(eval_records, **fields, source="eval_dataset"))
+    return held_out_task(rows, held, eval_size=cfg.eval_size, seed=seed,
+                         train_source="train_dataset", eval_source="eval_dataset")

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from gspo.config import TaskConfig
-from gspo.data.base import DataError, DatasetTask, Task, hold_out, without_held_out
+from gspo.data.base import DataError, DatasetTask, Task, held_out_task
 from gspo.data.builtin import CountdownTask, gsm8k_mini_task
 from gspo.data.datasets import load_jsonl
 from gspo.data.hf import dataset_task
@@ -49,12 +49,10 @@ def jsonl_task(cfg: TaskConfig, seed: int) -> DatasetTask:
     """``task.path``, with ``task.eval_path`` as the held-out set (its prompts left out of
     training) or else ``task.eval_size`` held-out problems of ``task.path``."""
     rows = load_jsonl(cfg.path, cfg.prompt_field, cfg.answer_field)
-    if cfg.eval_path:
-        eval_rows = load_jsonl(cfg.eval_path, cfg.prompt_field, cfg.answer_field)
-        rows = without_held_out(rows, eval_rows, cfg.path, cfg.eval_path)
-    else:
-        rows, eval_rows = hold_out(rows, cfg.eval_size, seed)
-    return DatasetTask(rows, eval_rows, seed)
+    eval_rows = (load_jsonl(cfg.eval_path, cfg.prompt_field, cfg.answer_field)
+                 if cfg.eval_path else None)
+    return held_out_task(rows, eval_rows, eval_size=cfg.eval_size, seed=seed,
+                         train_source=cfg.path, eval_source=cfg.eval_path)
 
 
 TASKS.register("dataset")(dataset_task)
