@@ -376,6 +376,10 @@ class TrainConfig:
         "5, benchmarks/bench_matmul.py), for models whose layers exceed 1 MiB; blas elsewhere. "
         "Needs lean_forward=true, dtype=float32, compile_layers=false, not dist.strategy=fsdp2")
     gradient_checkpointing: bool = _f(False, "recompute activations in backward (saves memory)")
+    disable_dropout: bool = _f(
+        True, "set the policy's dropout and MoE router jitter to zero when it is built: noise "
+        "drawn in training mode makes π_θ differ from π_old at θ = θ_old, more than GSPO's "
+        "clip range (false: keep the model's own, and lora.dropout)")
     save_every: int = _f(0, "checkpoint every k steps (0: only at the end)")
     save_final: bool = _f(
         True, "write a checkpoint at the end of the run (false: only metrics.jsonl and "
@@ -715,6 +719,9 @@ def validate(cfg: TrainConfig) -> None:
         _check(lo.r > 0 or getattr(lo, name) == getattr(LoRAConfig(), name),
                f"lora.{name} is used only with lora.r > 0 (LoRA is off)")
     _check(lo.alpha > 0 and 0 <= lo.dropout < 1, "lora.alpha must be > 0, lora.dropout in [0, 1)")
+    _check(lo.dropout == 0 or not cfg.disable_dropout,
+           "lora.dropout > 0 is unused with disable_dropout=true (the default: dropout makes "
+           "π_θ differ from π_old at θ = θ_old); set disable_dropout=false to train with it")
     _check(bool(lo.target_modules), "lora.target_modules must not be empty")
     _check(lo.r == 0 or r.engine in ("hf", "vllm"),
            f"lora.r > 0 needs rollout.engine=hf or vllm (syncing LoRA weights into {r.engine} "

@@ -49,6 +49,7 @@ from gspo.models.lora import apply_lora, is_peft, reference_logprobs
 from gspo.models.onednn import pays as onednn_pays
 from gspo.models.packing import shared_prefix_logprobs
 from gspo.models.tokens import eos_ids
+from gspo.models.train_noise import disable_train_noise
 from gspo.objectives import ADVANTAGES, group_stats, objective_from_config
 from gspo.rewards import RewardError, RewardScorer
 from gspo.rewards.shaping import add_overlong, without_overlong
@@ -307,6 +308,8 @@ class Trainer:
             load_weights(self.model, resume_ckpt)
         if cfg.lora.r:
             self.model = apply_lora(self.model, cfg.lora, adapter_dir=resume_ckpt)
+        if cfg.disable_dropout:
+            disable_train_noise(self.model)
         if cfg.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
 

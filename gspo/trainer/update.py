@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from gspo.models.logprobs import token_logprobs
+from gspo.models.train_noise import train_noise
 from gspo.objectives import Objective
 from gspo.trainer.diagnostics import StepDiagnostics
 from gspo.trainer.distributed import Dist
@@ -97,15 +98,9 @@ def can_reuse_first_forward(model: Any, dist: Dist, hooks: PolicyHooks) -> bool:
 
 
 def has_dropout(model: Any) -> bool:
-    """Dropout active in training mode: a ``Dropout`` module with p > 0 or a ``*dropout`` config
-    value > 0 (attention dropout is applied inside the attention function)."""
-    if any(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0
-           for m in model.modules()):
-        return True
-    config = getattr(model, "config", None)  # a bare nn.Module has none
-    values = config.to_dict() if hasattr(config, "to_dict") else {}
-    return any("dropout" in k and isinstance(v, (int, float)) and not isinstance(v, bool)
-               and v > 0 for k, v in values.items())
+    """Noise in training mode: dropout or MoE router jitter (see :mod:`gspo.models.train_noise`;
+    ``disable_dropout=true``, the default, removes it when the policy is built)."""
+    return bool(train_noise(model))
 
 
 @dataclass

@@ -1,0 +1,77 @@
+"""Randomness a model applies only in training mode: dropout and MoE router jitter.
+
+The trainer computes π_old without gradients and π_θ in training mode. Any noise that training
+mode adds makes π_θ ≠ π_old at θ = θ_old, so every ratio carries it: a dropout of 0.05 moves a
+sequence's mean log-ratio by far more than GSPO's clip range (ε ≈ 3e-4). ``disable_dropout``
+(on by default, as TRL's DPO trainer does) removes it when the policy is built.
+
+Three places hold such noise in a Hugging Face model:
+
+- ``torch.nn.Dropout`` modules (residual and MLP dropout, PEFT's ``lora_dropout``);
+- float attributes of modules read in ``forward`` (``attention_dropout``, passed to the attention
+  function; Mixtral's and MiniMax's router ``jitter_noise``);
+- the model's config (``attention_dropout``, ``router_jitter_noise``, ...), which some modules
+  read at call time.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+_NOISY = ("dropout", "jitter")
+
+
+def _noisy_name(name: str) -> bool:
+    return any(word in name for word in _NOISY)
+
+
+def _positive_float(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+
+
+def _configs(model: Any) -> list[Any]:
+    """The model's config and its sub-configs (e.g. a multimodal model's ``text_config``)."""
+    root = getattr(model, "config", None)
+    if root is None or not hasattr(root, "to_dict"):
+        return []
+    found, todo = [], [root]
+    while todo:
+        config = todo.pop()
+        found.append(config)
+        todo += [v for v in vars(config).values() if hasattr(v, "to_dict") and v is not config]
+    return found
+
+
+def train_noise(model: Any) -> list[str]:
+    """Where ``model`` draws random numbers in training mode, e.g.
+    ``["model.layers.0.self_attn.attention_dropout=0.1", "config.router_jitter_noise=0.01"]``;
+    empty when training mode is deterministic."""
+    found = []
+    for name, module in model.named_modules():
+        prefix = f"{name}." if name else ""
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0:
+            found.append(f"{prefix}p={module.p}")
+        found += [f"{prefix}{k}={v}" for k, v in vars(module).items()
+                  if _noisy_name(k) and _positive_float(v)]
+    for config in _configs(model):
+        found += [f"config.{k}={v}" for k, v in vars(config).items()
+                  if _noisy_name(k) and _positive_float(v)]
+    return found
+
+
+def disable_train_noise(model: Any) -> list[str]:
+    """Set every source :func:`train_noise` finds to zero, in place; returns what was set."""
+    found = train_noise(model)
+    for module in model.modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd):
+            module.p = 0.0
+        for k, v in list(vars(module).items()):
+            if _noisy_name(k) and _positive_float(v):
+                setattr(module, k, 0.0)
+    for config in _configs(model):
+        for k, v in list(vars(config).items()):
+            if _noisy_name(k) and _positive_float(v):
+                setattr(config, k, 0.0)
+    return found
