@@ -80,7 +80,9 @@ class TaskConfig:
 class RewardConfig:
     functions: list[str] = _f(
         ["numeric_match"], "reward functions: registered names or 'module:function'")
-    weights: list[float] = _f([], "weight per reward function (empty: all 1.0)")
+    weights: list[float] = _f(
+        [], "weight per reward function (empty: all 1.0); a function of weight 0 is logged, "
+        "not trained on")
     max_unscorable_frac: float = _f(
         0.5, "stop the run if more than this fraction of a step's responses cannot be scored")
     overlong_buffer: int = _f(

@@ -43,8 +43,8 @@ class _Failed(Exception):
 class RewardScorer:
     """Weighted sum of reward functions; NaN marks a response no function could score.
 
-    A response is unscorable when any weighted function returns None for it, raises, returns
-    the wrong length, a non-numeric value or one that is not finite in float32, or (with
+    A response is unscorable when any function of nonzero weight returns None for it, raises,
+    returns the wrong length, a non-numeric value or one that is not finite in float32, or (with
     ``timeout_s`` > 0) runs longer than ``timeout_s`` seconds on the batch. The first traceback
     of each function is kept in ``first_errors`` and ``failures`` counts unscorable responses
     per function.
@@ -170,6 +170,8 @@ class RewardScorer:
 
         per_fn = {name: self._call(name, fn, prompts, completions, cols(fn))
                   for name, fn in zip(self.names, self.functions)}
-        total = [sum(w * per_fn[name][i] for name, w in zip(self.names, self.weights))
+        # A function of weight 0 is logged, not trained on: its None or error leaves the
+        # total alone (0 * NaN would be NaN).
+        total = [sum(w * per_fn[name][i] for name, w in zip(self.names, self.weights) if w)
                  for i in range(len(completions))]
         return total, per_fn

@@ -262,3 +262,15 @@ def test_scorer_huge_int_is_nan_not_crash():
 def test_scorer_from_specs_unknown_raises():
     with pytest.raises(RewardSpecError):
         RewardScorer.from_specs(["numeric_match", "not_a_reward"])
+
+
+def test_a_function_of_weight_zero_is_logged_but_leaves_the_total_alone():
+    def partial(prompts, completions, **_):
+        return [None if c == "x" else 0.25 for c in completions]
+
+    scorer = RewardScorer.from_specs(["numeric_match", partial], [1.0, 0.0])
+    total, per_fn = scorer(PROMPTS, COMPLETIONS, COLUMNS)
+    assert total == [1.0, 0.0, 0.0]  # "x" scored by numeric_match alone
+    assert per_fn["partial"][:2] == [0.25, 0.25] and nan_at(per_fn["partial"])[2]
+    weighted = RewardScorer.from_specs(["numeric_match", partial], [1.0, 0.5])
+    assert nan_at(weighted(PROMPTS, COMPLETIONS, COLUMNS)[0]) == [False, False, True]
