@@ -7,6 +7,7 @@ Every other module of :mod:`gspo.data` imports from here, never the other way ro
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -134,7 +135,25 @@ def held_out_task(rows: list[Example], eval_rows: list[Example] | None, *, eval_
         train, held = hold_out(rows, eval_size, seed)
     else:
         train, held = without_held_out(rows, eval_rows, train_source, eval_source), eval_rows
-    return DatasetTask(train, held, seed)
+    return DatasetTask(train, distinct_rows(held, train_source if eval_rows is None
+                                            else eval_source), seed)
+
+
+def distinct_rows(rows: list[Example], source: str) -> list[Example]:
+    """``rows`` with each exact duplicate (same prompt, answer and columns) kept once, in
+    order: held-out accuracy counts a problem once however often the source repeats it. The
+    rows dropped are counted in one printed line."""
+    seen: set[str] = set()
+    kept = []
+    for ex in rows:
+        key = json.dumps([ex.prompt, ex.answer, ex.columns], sort_keys=True, default=repr)
+        if key not in seen:
+            seen.add(key)
+            kept.append(ex)
+    if len(kept) < len(rows):
+        print(f"{source}: held-out set: {len(rows) - len(kept)} of {len(rows)} rows repeat an "
+              "earlier row exactly and are evaluated once", flush=True)
+    return kept
 
 
 class DatasetTask:

@@ -189,3 +189,38 @@ def test_a_null_answer_in_records_is_an_error(answer):
 def test_an_integer_answer_in_a_float_column_keeps_its_spelling(tmp_path, suffix, text):
     task = build(tmp_path, "dataset", text, suffix)
     assert {ex.prompt: ex.answer for ex in task.rows} == {"a": "4", "b": "2.5"}
+
+
+
+def held_out_of(source: str, tmp_path: Path, rows: list[dict[str, Any]],
+                eval_size: int) -> DatasetTask:
+    """The task holding ``eval_size`` problems of ``rows`` out (no separate held-out set)."""
+    if source == "records":
+        return task_from_records(rows, None, TaskConfig(eval_size=eval_size), 0)
+    path = write_jsonl(tmp_path / "train.jsonl", rows)
+    cfg = (TaskConfig(name="jsonl", path=path, eval_size=eval_size) if source == "jsonl" else
+           TaskConfig(name="dataset", path=str(tmp_path), eval_size=eval_size))
+    task = build_task(cfg, 0)
+    assert isinstance(task, DatasetTask)
+    return task
+
+
+@pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize("separate_set", [False, True])
+def test_a_row_repeated_exactly_is_evaluated_once(tmp_path, capsys, source, separate_set):
+    """Held-out accuracy counts a problem once however often the source repeats its row; rows
+    that differ in any column stay apart."""
+    exact = [{"prompt": f"q{i}", "answer": str(i), "copy": 0} for i in range(20) for _ in range(3)]
+    held = [{"prompt": "e0", "answer": "0", "copy": 0}] * 2 + [
+        {"prompt": "e0", "answer": "0", "copy": 1}, {"prompt": "e1", "answer": "1", "copy": 0}]
+    task = (separate(source, tmp_path, exact, held) if separate_set
+            else held_out_of(source, tmp_path, exact, 4))
+    evaluated = [(ex.prompt, ex.answer, ex.columns.get("copy")) for ex in task.eval_examples]
+    if separate_set:
+        assert evaluated == [("e0", "0", 0), ("e0", "0", 1), ("e1", "1", 0)]
+    else:  # 4 problems of 3 identical rows each
+        assert len(evaluated) == len(set(evaluated)) == 4
+        assert not prompts(task.rows) & prompts(task.eval_examples)
+    dropped = 1 if separate_set else 8
+    assert (f"{dropped} of {dropped + len(evaluated)} rows repeat an earlier row exactly"
+            in capsys.readouterr().out)
