@@ -5,8 +5,10 @@ is written for samples of π_old. A correction turns the two policies' log-probs
 detached, non-negative weight per token ``[B, T]`` or per sequence ``[B]``; the objective
 multiplies its advantages by it (:meth:`gspo.objectives.spec.Objective.loss`). Every clipped
 surrogate is positively homogeneous in Â (−min(r·wÂ, clip(r)·wÂ) = w·(−min(rÂ, clip(r)Â)) for
-w ≥ 0), so this is the weighted loss term itself, for every objective, with the KL term left
-unweighted. A weight of 0 removes the term but keeps its row in the loss's mean (the mean's
+w ≥ 0), so this is the weighted loss term itself, with the KL term left unweighted. Two
+exceptions: ``kl_cov``'s |log w| penalty is not weighted either (a zero-weight token may still
+get it), and ``clip_cov`` / ``kl_cov`` select their tokens by a covariance of the weighted Â.
+A weight of 0 removes the term but keeps its row in the loss's mean (the mean's
 denominator is unchanged; see docs/corrections.md).
 
 With δ_it = log π_old(y_it) − log π_rollout(y_it) (0 on padding):

@@ -107,7 +107,8 @@ def sapo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: 
     gate = torch.sigmoid(tau * (w - 1.0))  # σ(τ (w − 1))
     term, weight = reduce_tokens(-(4.0 / tau) * gate * adv, b, aggregation, norm_constant)
     loss, stats = finish(term, b, adv_row=token_mean(adv, b), high=_no_clip(b),
-                         low=_no_clip(b), beta=beta, weight=weight)
+                         low=_no_clip(b), beta=beta, weight=weight,
+                         norm_constant=norm_constant)
     g = (4.0 * gate * (1.0 - gate)).detach()
     on = b.mask.sum() > 0
     stats["objective/gate_weight_mean"] = (torch.where(b.mask, g, 0.0).sum()
@@ -170,7 +171,7 @@ def _dppo(b: LossBatch, adv: Tensor, keep: Tensor, ratio_cap: float, beta: float
     term, weight = reduce_tokens(per_token, b, aggregation, norm_constant)
     high, low = (adv > 0) & ~keep, (adv < 0) & ~keep  # masked out, by side
     loss, stats = finish(term, b, adv_row=token_mean(adv, b), high=high, low=low, beta=beta,
-                         weight=weight)
+                         weight=weight, norm_constant=norm_constant)
     stats["objective/ratio_capped_frac_tokens"] = token_share(w_sg > ratio_cap, b)
     return loss, stats
 
@@ -314,7 +315,7 @@ def clip_cov_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, ma
     per_token = torch.where(chosen, per_token.detach(), per_token)
     term, weight = reduce_tokens(per_token, b, aggregation, norm_constant)
     loss, stats = finish(term, b, adv_row=token_mean(adv, b), high=high, low=low, beta=beta,
-                         weight=weight)
+                         weight=weight, norm_constant=norm_constant)
     stats["objective/cov_detached_frac_tokens"] = token_share(chosen, b)
     return loss, stats
 
@@ -342,7 +343,8 @@ def kl_cov_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask
     per_token = -(w * adv) + torch.where(chosen, kl_cov_coef * b.log_ratio.abs(), 0.0)
     term, weight = reduce_tokens(per_token, b, aggregation, norm_constant)
     loss, stats = finish(term, b, adv_row=token_mean(adv, b), high=_no_clip(b),
-                         low=_no_clip(b), beta=beta, weight=weight)
+                         low=_no_clip(b), beta=beta, weight=weight,
+                         norm_constant=norm_constant)
     stats["objective/kl_cov_frac_tokens"] = token_share(chosen, b)
     return loss, stats
 

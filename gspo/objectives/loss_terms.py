@@ -232,10 +232,14 @@ def finish(
     low: Tensor,
     beta: float,
     weight: Tensor | None = None,
+    norm_constant: float = 0.0,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Aggregate the per-sequence policy term [B], add the KL penalty and build stats.
 
-    ``weight`` [B] defaults to 1 per valid row (mean over valid rows).
+    ``weight`` [B] defaults to 1 per valid row (mean over valid rows). The KL term is
+    reduced like the policy term: per row its token mean, or with ``norm_constant`` C > 0
+    (``aggregation="constant"``, see :func:`reduce_tokens`) its token sum / C; then
+    aggregated with ``weight``.
     """
     if weight is None:
         weight = b.valid.to(term.dtype)
@@ -244,7 +248,10 @@ def finish(
     stats = {"objective/policy_loss": policy_loss}
     if b.ref_logprobs is not None:
         d = (b.ref_logprobs - b.logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-        kl_ref = aggregate(token_mean(torch.exp(d) - d - 1, b), weight)  # k3, KL(π_θ‖π_ref)
+        k3 = torch.exp(d) - d - 1  # k3, KL(π_θ‖π_ref)
+        kl_rows = (torch.where(b.mask, k3, 0.0).sum(-1) / norm_constant if norm_constant > 0
+                   else token_mean(k3, b))
+        kl_ref = aggregate(kl_rows, weight)
         if beta > 0:
             loss = loss + beta * kl_ref
         stats["objective/kl_ref"] = kl_ref

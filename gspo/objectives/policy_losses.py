@@ -23,8 +23,9 @@ Shapes and conventions shared by all losses:
   (a ratio beyond e^20 ~ 4.9e8 is already meaningless); the clamp has zero gradient
   outside that range.
 * ``beta > 0`` adds beta x k3 estimate of KL(π_θ || π_ref) per token,
-  exp(ref - logp) - (ref - logp) - 1, aggregated like the policy term (requires
-  ``ref_logprobs`` [B, T]).
+  exp(ref - logp) - (ref - logp) - 1, aggregated like the policy term (its token mean per
+  row, or Σ_t / C with ``aggregation="constant"``, then the loss's row weights; requires
+  ``ref_logprobs`` [B, T]). ``objective/kl_ref`` is that aggregate.
 * Options (the keyword-only arguments other than ``ref_logprobs``) are named in each
   signature; an unknown one raises ``TypeError``.
 
@@ -235,8 +236,11 @@ def gspo_token_loss(
     """
     b = prepare(logprobs, old_logprobs, mask, eps_low, eps_high, beta, ref_logprobs)
     adv = token_advantages(advantages, b)  # Â_it [B, T]
-    log_s = token_mean(b.log_ratio, b).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).detach()
-    s_it = torch.exp(log_s[:, None] + b.logprobs - b.logprobs.detach())  # Eq. (14)
+    log_s = token_mean(b.log_ratio, b).detach()
+    # beyond the overflow clamp gspo's s_i has zero gradient: so has s_it (equal gradients)
+    inside = (log_s.abs() <= LOG_RATIO_CLAMP)[:, None]
+    grad_path = torch.where(inside, b.logprobs - b.logprobs.detach(), 0.0)
+    s_it = torch.exp(log_s.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)[:, None] + grad_path)  # (14)
     term = token_mean(clipped_surrogate(s_it, adv, eps_low, eps_high), b)
     high, low = clip_masks(s_it, adv, 1.0 - eps_low, 1.0 + eps_high)
     return finish(term, b, adv_row=token_mean(adv, b), high=high, low=low, beta=beta)
@@ -281,7 +285,7 @@ def grpo_loss(
                                  norm_constant)
     high, low = clip_masks(w, adv, 1.0 - eps_low, 1.0 + eps_high)
     return finish(term, b, adv_row=token_mean(adv, b), high=high, low=low, beta=beta,
-                  weight=weight)
+                  weight=weight, norm_constant=norm_constant)
 
 
 ROW_WEIGHTS.register("grpo")(aggregation_row_weights)
