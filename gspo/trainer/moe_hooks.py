@@ -65,6 +65,11 @@ class PolicyHooks:
                         ) -> tuple[list[torch.Tensor] | None, dict[str, float]]:
         return recomputed, {}
 
+    def old_pass_replay(self, own: list[torch.Tensor] | None,
+                        replayed: list[torch.Tensor] | None, dist: Any
+                        ) -> list[torch.Tensor] | None:
+        return None
+
     def update_forward(self, model: Any, routing: list[torch.Tensor] | None, rows: torch.Tensor,
                        seq_len: int, width: int) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext({})
@@ -134,6 +139,21 @@ class MoEHooks(PolicyHooks):
         merged, changed, seen = merge_rollout_routing(roll, recomputed)
         changed, seen = dist.all_reduce(torch.stack([changed, seen])).tolist()
         return merged, {"moe/rollout_routing_mismatch": changed / max(seen, 1.0)}
+
+    def old_pass_replay(self, own: list[torch.Tensor] | None,
+                        replayed: list[torch.Tensor] | None, dist: Any
+                        ) -> list[torch.Tensor] | None:
+        """R3: the experts to run the loss's π_old pass again with, so that π_old and π_θ route
+        alike (the ratio is 1 at θ = θ_old): ``replayed`` (the rollout's experts merged with the
+        pass's ``own``, what the update replays) when it differs from ``own`` on some rank (all
+        ranks agree: the pass may gather weights), else None (the pass's own log-probs are
+        already those: replaying its own experts is bit-identical). Other modes: None."""
+        if not self.records_rollout_routing or own is None or replayed is None:
+            return None
+        differs = any(not torch.equal(a, b.to(a.device)) for a, b in zip(own, replayed))
+        if float(dist.all_reduce(torch.tensor([float(differs)]))[0]) == 0:
+            return None
+        return replayed
 
     @contextlib.contextmanager
     def update_forward(self, model: Any, routing: list[torch.Tensor] | None, rows: torch.Tensor,

@@ -46,6 +46,7 @@ from gspo.models.lean_forward import (
     no_autograd,
 )
 from gspo.models.lora import apply_lora, is_peft, reference_logprobs
+from gspo.models.moe import replay_routing
 from gspo.models.onednn import pays as onednn_pays
 from gspo.models.packing import shared_prefix_logprobs
 from gspo.models.tokens import eos_ids
@@ -650,17 +651,21 @@ class Trainer:
                            old_from_first=reuse, first_is_old=self._old_is_current())
 
     @torch.no_grad()
-    def old_logprobs(self, batch: dict[str, torch.Tensor], rows: torch.Tensor | None = None
+    def old_logprobs(self, batch: dict[str, torch.Tensor], rows: torch.Tensor | None = None,
+                     replay: list[torch.Tensor] | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor] | None]:
         """log π_old recomputed by the trainer in fp32, the policy's entropy, and (MoE) the
         expert indices π_old chose for every position (what R2 replays). ``rows``: compute
-        these rows only (dense policies); the others are left at 0."""
+        these rows only (dense policies); the others are left at 0. ``replay`` (MoE, R3): per
+        layer ``[N * T, k]`` experts the pass routes to (:func:`gspo.models.moe.replay_routing`)."""
         self.model.eval()
         cols = {k: batch[k] for k in ("input_ids", "attention_mask", "response_mask")}
         if rows is not None:
             width = int(batch["attention_mask"][rows].sum(-1).max()) if len(rows) else 0
             cols = {k: v[rows, :width] for k, v in cols.items()}
-        with self.hooks.capture_old(self.model) as rec:
+        forced = (replay_routing(self.model, replay) if replay is not None
+                  else contextlib.nullcontext())
+        with forced, self.hooks.capture_old(self.model) as rec:
             if cols["input_ids"].numel():
                 # lean passes run in inference mode (less per-op work); their results are
                 # copied out of it below, into tensors autograd may use
@@ -757,12 +762,18 @@ class Trainer:
                 old.routing_metrics = staleness_routing_metrics(
                     roll.trainer_routing, routing, padded["response_mask"], self.dist)
             routing = roll.trainer_routing
-        routing, replayed = self.hooks.rollout_routing(roll, routing, self.dist)
+        own, (routing, replayed) = routing, self.hooks.rollout_routing(roll, routing, self.dist)
         old.routing_metrics.update(replayed)
         # recompute / decoupled: the trainer's π_old; rollout (§5.4): the engine's. Only a
         # behaviour correction (decoupled, or rollout with one) sees π_rollout in the loss.
         o = self.cfg.objective.old_logprobs
         pi_old = old.rollout if o == "rollout" else old.recomputed
+        if o != "rollout" and not self._behaviour_routing():
+            # R3: the loss's π_old routes to the experts the update replays, as π_θ does (the
+            # metrics keep the pass on π_old's own routing)
+            forced = self.hooks.old_pass_replay(own, routing, self.dist)
+            if forced is not None:
+                pi_old = self.old_logprobs(padded, replay=forced)[0]
         if self.async_rollout is not None:  # the behaviour policy's weights are older
             if roll.trainer_logprobs is not None:
                 old.behaviour = pad_batch(roll.prompt_ids, roll.response_ids, self.pad_id,

@@ -118,9 +118,10 @@ def test_r3_replays_what_the_rollout_recorded_not_the_recompute(tmp_path, monkey
         seen["rollout"] = roll.routing
         return roll
 
-    def old_logprobs(self, batch, rows=None):
-        out = real_old(self, batch, rows)
-        seen["r2"] = out[2]
+    def old_logprobs(self, batch, rows=None, replay=None):
+        out = real_old(self, batch, rows, replay)
+        if replay is None:  # the π_old pass on its own routing (not the R3 rerun)
+            seen["r2"] = out[2]
         return out
 
     def update(model, optimizer, scheduler, batch, plan, **kwargs):
@@ -141,6 +142,54 @@ def test_r3_replays_what_the_rollout_recorded_not_the_recompute(tmp_path, monkey
         assert torch.equal(replayed[known], rolled[known])
         assert torch.equal(replayed[~known], r2[~known])
         assert not torch.equal(replayed, r2)
+
+
+def test_r3_pi_old_routes_like_the_update_so_the_ratio_is_one_at_theta_old(tmp_path,
+                                                                         monkeypatch):
+    """R3 replays the rollout's experts in the update; π_old (the loss's denominator) must be
+    computed under the same experts, else the ratio is not 1 at θ = θ_old wherever the rollout
+    routed differently from the trainer's recompute (here: every seen position, shifted)."""
+    import torch
+
+    import gspo.rollout.hf_engine as engine_mod
+
+    real_generate = engine_mod.generate
+    calls = []
+    real_old = Trainer.old_logprobs
+
+    def shifted_generate(*args, **kwargs):
+        roll = real_generate(*args, **kwargs)
+        roll.routing = [torch.where(r >= 0, (r + 1) % 8, r) for r in roll.routing]
+        return roll
+
+    def old_logprobs(self, batch, rows=None, replay=None):
+        calls.append(replay is not None)
+        return real_old(self, batch, rows, replay)
+
+    monkeypatch.setattr(engine_mod, "generate", shifted_generate)
+    monkeypatch.setattr(Trainer, "old_logprobs", old_logprobs)
+    trainer = _r3_trainer(tmp_path, "r3ratio", "steps=1", "optim.lr=0",
+                          "objective.num_minibatches=1")
+    metrics = trainer.train_step()
+    assert metrics["moe/rollout_routing_mismatch"] == 1.0
+    assert calls == [False, True]  # the π_old pass, then again under the rollout's experts
+    assert metrics["objective/seq_ratio_min"] == pytest.approx(1.0, abs=1e-6)
+    assert metrics["objective/seq_ratio_max"] == pytest.approx(1.0, abs=1e-6)
+    assert metrics["objective/clip_frac_seqs"] == 0.0
+
+
+def test_r3_without_a_routing_mismatch_runs_one_pi_old_pass(tmp_path, monkeypatch):
+    calls = []
+    real_old = Trainer.old_logprobs
+
+    def old_logprobs(self, batch, rows=None, replay=None):
+        calls.append(replay is not None)
+        return real_old(self, batch, rows, replay)
+
+    monkeypatch.setattr(Trainer, "old_logprobs", old_logprobs)
+    metrics = _r3_trainer(tmp_path, "r3once", "steps=1").train_step()
+    assert metrics["moe/rollout_routing_mismatch"] == 0.0  # fp32 HF sampler: π_old's experts
+    assert calls == [False]
 
 
 def test_r3_with_an_engine_that_cannot_record_is_an_error(tmp_path):
