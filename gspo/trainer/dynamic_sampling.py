@@ -84,21 +84,25 @@ def concat_rollouts(rolls: list[Rollout]) -> Rollout:
 
 @dataclass
 class Draw:
-    """One scored rollout batch: its examples, rollout and rewards [n_groups · G]."""
+    """One scored rollout batch: its examples, rollout and rewards [n_groups · G], and each
+    reward function's own values [n_groups · G] (``reward/<name>``; with several functions)."""
 
     examples: list[Any]
     roll: Rollout
     rewards: Tensor
+    parts: dict[str, Tensor] = field(default_factory=dict)
 
 
 @dataclass
 class DynamicBatch:
-    """The groups a step trains on, from one or more draws, and what it cost."""
+    """The groups a step trains on, from one or more draws (each reward function's values of
+    their rows in ``parts``), and what it cost."""
 
     examples: list[Any]
     roll: Rollout
     rewards: Tensor
     metrics: dict[str, float] = field(default_factory=dict)
+    parts: dict[str, Tensor] = field(default_factory=dict)
 
 
 def collect(first: Draw, draw: Callable[[int], Draw], *, prompts_per_step: int,
@@ -135,15 +139,20 @@ def collect(first: Draw, draw: Callable[[int], Draw], *, prompts_per_step: int,
         "dynamic/extra_s": extra_s,
         "dynamic/cap_reached": float(len(kept) < prompts_per_step),
         "dynamic/responses_sampled": float(sampled.numel()),
+        "dynamic/response_tokens_sampled": float(sum(len(y) for d in draws
+                                                     for y in d.roll.response_ids)),
         "dynamic/sampled_reward_mean": float(sampled.nanmean()) if sampled.numel() else 0.0,
         "dynamic/zero_signal_frac_sampled": 1.0 - sum(int(s.sum()) for s in signal) / n_sampled,
     }
     if len(draws) == 1 and len(chosen) == len(signal[0]):
-        return DynamicBatch(first.examples, first.roll, first.rewards, metrics)
+        return DynamicBatch(first.examples, first.roll, first.rewards, metrics, first.parts)
     rows = lambda j: list(range(j * g, (j + 1) * g))  # noqa: E731
     roll = concat_rollouts([draws[i].roll.select(rows(j)) for i, j in chosen])
     rewards = torch.cat([draws[i].rewards[j * g:(j + 1) * g] for i, j in chosen])
-    return DynamicBatch([draws[i].examples[j] for i, j in chosen], roll, rewards, metrics)
+    parts = {k: torch.cat([draws[i].parts[k][j * g:(j + 1) * g] for i, j in chosen])
+             for k in first.parts}
+    return DynamicBatch([draws[i].examples[j] for i, j in chosen], roll, rewards, metrics,
+                        parts)
 
 
 def mask_truncated(response_mask: Tensor, truncated: list[bool]) -> Tensor:

@@ -53,16 +53,21 @@ def max_over_ranks(metrics: dict[str, float], dist: Any) -> dict[str, float]:
 
 def mean_stats(stats: list[dict[str, torch.Tensor]], kinds: Mapping[str, str],
                counts: list[dict[str, float]] | None = None) -> dict[str, float]:
-    """Combine each key over minibatches: min/max kinds take the min/max, the ``signal_*``
-    kinds a mean weighted by each minibatch's rows (tokens) with signal, given ``counts`` (a
-    minibatch without any adds nothing; 0 when no minibatch has one), the others the plain
-    mean; one host sync."""
+    """Combine each key over minibatches: min/max kinds take the min/max (given ``counts``,
+    over the minibatches with valid rows, as :func:`reduce_stats` does across ranks: an
+    objective's 0 for an empty set is no extreme), the ``signal_*`` kinds a mean weighted by
+    each minibatch's rows (tokens) with signal, given ``counts`` (a minibatch without any adds
+    nothing; 0 when no minibatch has one), the others the plain mean; one host sync."""
     if not stats:
         return {}
     out: dict[str, float] = {}
+    has_rows = (None if counts is None or not any(c.get("rows", 0.0) > 0 for c in counts)
+                else torch.tensor([c.get("rows", 0.0) > 0 for c in counts]))
     for key in stats[0]:
         values = torch.stack([s[key].detach().float() for s in stats])
         kind = stat_kind(key, kinds)
+        if kind in ("min", "max") and has_rows is not None:
+            values = values[has_rows]
         if kind == "min":
             out[key] = float(values.min())
         elif kind == "max":
@@ -183,12 +188,22 @@ class MetricsLogger:
             self.tb.close()
 
 
+def reward_part_metrics(parts: Mapping[str, torch.Tensor]) -> dict[str, float]:
+    """``reward/<name>``: each reward function's mean over the scorable responses of ``parts``
+    (its values of the global batch's rows; NaN when it scored none of them)."""
+    return {f"reward/{k}": float(v.nanmean()) for k, v in parts.items()}
+
+
 def rollout_metrics(roll: Any, batch: dict[str, torch.Tensor], entropy: torch.Tensor | None,
                     gap: torch.Tensor | None, t: dict[str, float], epochs: int,
-                    dist: Any) -> dict[str, float]:
+                    dist: Any, sampled_tokens: float | None = None) -> dict[str, float]:
     """Entropy, lengths, truncation, sampler/trainer log-prob gap and throughput over the
     global batch (sums and maxima all-reduced over ``dist``; times are this rank's). Entropy
-    and gap come from the π_old pass; on a step without one they are not logged."""
+    and gap come from the π_old pass; on a step without one they are not logged. Entropy is
+    a mean over the tokens of ``batch["response_mask"]``: NaN (``null`` in metrics.jsonl)
+    when it holds none (``rollout.mask_truncated`` with every response truncated).
+    ``sampled_tokens``: the global count of response tokens sampled in ``t["rollout"]``
+    (dynamic sampling's discarded draws included); default the batch's."""
     mask = batch["response_mask"]
     lengths = torch.tensor([len(r) for r in roll.response_ids], dtype=torch.float64)
     skipped = entropy is None or gap is None
@@ -206,11 +221,13 @@ def rollout_metrics(roll: Any, batch: dict[str, torch.Tensor], entropy: torch.Te
         "rollout/response_len_mean": len_sum / n_rows,
         "rollout/response_len_max": len_max,
         "rollout/truncated_frac": truncated / n_rows,
-        "perf/rollout_tokens_per_s": len_sum / max(t["rollout"], 1e-9),
+        "perf/rollout_tokens_per_s": (len_sum if sampled_tokens is None else sampled_tokens)
+        / max(t["rollout"], 1e-9),
         "perf/update_tokens_per_s": n_tokens * epochs / max(t["update"], 1e-9),
     }
     if not skipped:
-        out.update({"train/entropy": ent / max(n_tok, 1.0), "rollout/logprob_gap_abs_max": gap_max})
+        out.update({"train/entropy": ent / n_tok if n_tok > 0 else math.nan,
+                    "rollout/logprob_gap_abs_max": gap_max})
     return out
 
 

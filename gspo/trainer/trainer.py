@@ -94,7 +94,13 @@ from gspo.trainer.dynamic_sampling import (
 from gspo.trainer.evaluate import evaluate
 from gspo.trainer.guard import GuardStop
 from gspo.trainer.host import keep_freed_memory
-from gspo.trainer.metrics import MetricsLogger, max_over_ranks, mean_stats, rollout_metrics
+from gspo.trainer.metrics import (
+    MetricsLogger,
+    max_over_ranks,
+    mean_stats,
+    reward_part_metrics,
+    rollout_metrics,
+)
 from gspo.trainer.mismatch import mismatch_metrics
 from gspo.trainer.moe_hooks import policy_hooks
 from gspo.trainer.reliability import Reliability
@@ -604,6 +610,13 @@ class Trainer:
 
     def score(self, examples: list[Any], roll: Rollout) -> tuple[torch.Tensor, dict[str, float]]:
         """Rewards of the global batch (NaN: unscorable) and the per-function reward metrics."""
+        rewards, parts = self.score_rows(examples, roll)
+        return rewards, reward_part_metrics(parts)
+
+    def score_rows(self, examples: list[Any], roll: Rollout
+                   ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Rewards of the global batch (NaN: unscorable) and, with several reward functions,
+        each one's values of the global batch's rows (``reward/<name>``)."""
         g = roll.group_size
         completions = self.tokenizer.batch_decode(roll.response_ids, skip_special_tokens=True)
         prompts = [ex.prompt for ex in examples for _ in range(g)]
@@ -622,10 +635,10 @@ class Trainer:
             raise RewardError(f"{unscorable:.0%} of responses could not be scored "
                               f"(> reward.max_unscorable_frac); first error: "
                               f"{first.strip().splitlines()[-1]}")
-        extra = {f"reward/{k}": float(self.dist.gather(torch.tensor(v, dtype=torch.float32))[0]
-                                      .nanmean()) for k, v in per_fn.items() if len(per_fn) > 1}
+        parts = {k: self.dist.gather(torch.tensor(v, dtype=torch.float32))[0]
+                 for k, v in per_fn.items() if len(per_fn) > 1}
         self.last_samples = (prompts, completions, total, per_fn, columns["answer"])
-        return rewards, extra
+        return rewards, parts
 
     def advantages(self, rewards: torch.Tensor, roll: Rollout) -> torch.Tensor:
         """Advantages of this rank's rows, from the global batch's rewards (this rank holds
@@ -806,8 +819,10 @@ class Trainer:
             self.engine.sync_weights(self.model)
 
     def step_metrics(self, rewards: torch.Tensor, roll: Rollout, batch: UpdateBatch,
-                     old: OldPolicy, result: UpdateResult, timer: PhaseTimer
-                     ) -> dict[str, float]:
+                     old: OldPolicy, result: UpdateResult, timer: PhaseTimer, *,
+                     sampled_tokens: float | None = None) -> dict[str, float]:
+        """The step's metrics. ``sampled_tokens``: the response tokens of every rollout batch
+        the step drew (dynamic sampling), for the rollout throughput; default ``roll``'s."""
         mask = batch.response_mask
         gap = None
         if old.recomputed is not None:  # the trainer's π_old against the engine's log-probs
@@ -830,7 +845,8 @@ class Trainer:
             **mean_stats(result.stats, stat_kinds(self.objective, self.hooks), result.counts),
             **self.hooks.step_metrics(result.stats),
             **rollout_metrics(roll, padded, old.entropy, gap, timer.seconds,
-                              self.cfg.objective.epochs, self.dist),
+                              self.cfg.objective.epochs, self.dist,
+                              sampled_tokens=sampled_tokens),
             **old.routing_metrics,
             **roll.extras,
             **result.diagnostics,
@@ -880,10 +896,12 @@ class Trainer:
         """The step after its rollout: rewards, π_old, the update, the engine synced (the
         synchronous loop; async publishes at the next step's start, :meth:`publish`)."""
         with timer("reward"):
-            rewards, reward_metrics = self.score(examples, roll)  # the global batch's
+            rewards, parts = self.score_rows(examples, roll)  # the global batch's
         sampling: dict[str, float] = {}
         if self.cfg.rollout.dynamic_sampling:  # DAPO: drop zero-variance groups, draw more
-            examples, roll, rewards, sampling = self.refill(examples, roll, rewards, timer)
+            examples, roll, rewards, sampling, parts = self.refill(examples, roll, rewards,
+                                                                   timer, parts)
+        reward_metrics = reward_part_metrics(parts)  # over the groups trained on, as reward/mean
         with timer("reward"):
             adv = self.advantages(rewards, roll)
         with timer("old_logprobs"):
@@ -902,26 +920,32 @@ class Trainer:
             with timer("weight_sync"):
                 self.sync()
         return {**reward_metrics, **sampling,
-                **self.step_metrics(rewards, roll, batch, old, result, timer)}
+                **self.step_metrics(rewards, roll, batch, old, result, timer,
+                                    sampled_tokens=sampling.get(
+                                        "dynamic/response_tokens_sampled"))}
 
     def refill(self, examples: list[Any], roll: Rollout, rewards: torch.Tensor,
-               timer: PhaseTimer) -> tuple[list[Any], Rollout, torch.Tensor, dict[str, float]]:
+               timer: PhaseTimer, parts: dict[str, torch.Tensor] | None = None
+               ) -> tuple[list[Any], Rollout, torch.Tensor, dict[str, float],
+                          dict[str, torch.Tensor]]:
         """Dynamic sampling (see gspo.trainer.dynamic_sampling): the groups with reward
-        variance of this draw and of further draws, and what the further draws cost."""
+        variance of this draw and of further draws, what the further draws cost, and each
+        reward function's values of the groups kept (``parts``: this draw's, see
+        :meth:`score_rows`)."""
         def draw(d: int) -> Draw:
             with timer("rollout"):
                 ex, r = self.rollout(draw=d)
             with timer("reward"):
-                return self._global_draw(ex, r, self.score(ex, r)[0])
+                return self._global_draw(ex, r, *self.score_rows(ex, r))
 
         cfg = self.cfg.rollout
-        first = self._global_draw(examples, roll, rewards)
+        first = self._global_draw(examples, roll, rewards, parts or {})
         # every rank needs at least one group (under torchrun), every minibatch one row
         min_rows = max(self.cfg.objective.num_minibatches, self.dist.world_size * roll.group_size)
         got = collect(first, draw, prompts_per_step=cfg.prompts_per_step,
                       max_extra_batches=cfg.dynamic_max_extra_batches, min_rows=min_rows)
         if got.roll is first.roll:  # the first draw, every group kept: the rows as they were
-            return examples, roll, rewards, got.metrics
+            return examples, roll, rewards, got.metrics, got.parts
         joined, kept = got.roll, got.examples
         if self.async_rollout is not None:
             # rows of this step's weights joined the pipeline's: staleness over the rows kept
@@ -936,17 +960,19 @@ class Trainer:
         if self.async_rollout is not None:
             with timer("old_logprobs"):
                 self._behaviour_pass(joined)
-        return kept, joined, got.rewards, got.metrics
+        return kept, joined, got.rewards, got.metrics, got.parts
 
-    def _global_draw(self, examples: list[Any], roll: Rollout, rewards: torch.Tensor) -> Draw:
+    def _global_draw(self, examples: list[Any], roll: Rollout, rewards: torch.Tensor,
+                     parts: dict[str, torch.Tensor] | None = None) -> Draw:
         """A scored draw as dynamic sampling sees it: under torchrun every rank's examples and
-        rows in prompt order (``rewards`` already are the global batch's), so that all ranks
-        keep the same groups, those one process would keep; else this process's own."""
+        rows in prompt order (``rewards`` and ``parts`` already are the global batch's), so
+        that all ranks keep the same groups, those one process would keep; else this
+        process's own."""
         if not self.dist.enabled:
-            return Draw(examples, roll, rewards)
-        parts = self.dist.gather_objects((examples, roll))
-        return Draw([ex for part, _ in parts for ex in part],
-                    concat_rollouts([r for _, r in parts]), rewards)
+            return Draw(examples, roll, rewards, parts or {})
+        shares = self.dist.gather_objects((examples, roll))
+        return Draw([ex for share, _ in shares for ex in share],
+                    concat_rollouts([r for _, r in shares]), rewards, parts or {})
 
     def _behaviour_pass(self, roll: Rollout, *, whole: bool = False) -> None:
         """The trainer's log-prob pass on the behaviour weights for the rows of an extra draw:

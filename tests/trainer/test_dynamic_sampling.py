@@ -52,8 +52,21 @@ def test_collect_draws_until_enough_groups_carry_signal():
     assert (m["dynamic/groups_sampled"], m["dynamic/groups_kept"], m["dynamic/extra_batches"],
             m["dynamic/cap_reached"], m["dynamic/groups_filled"]) == (9, 3, 2, 0, 0)
     assert m["dynamic/responses_sampled"] == 18
+    assert m["dynamic/response_tokens_sampled"] == 18 * 2
     assert m["dynamic/zero_signal_frac_sampled"] == pytest.approx(4 / 9)
     assert m["dynamic/sampled_reward_mean"] == pytest.approx(9 / 18)
+
+
+def test_collect_keeps_each_reward_functions_values_of_the_groups_kept():
+    def scored(rewards, tag):
+        d = _draw(rewards, tag)
+        d.parts = {"a": d.rewards * 10, "b": -d.rewards}
+        return d
+
+    got = collect(scored([0, 1, 1, 1], 0), lambda d: scored([1, 1, 1, 0], d),
+                  prompts_per_step=2, max_extra_batches=2)
+    assert got.examples == ["00", "11"]
+    assert got.parts["a"].tolist() == [0, 10, 10, 0] and got.parts["b"].tolist() == [0, -1, -1, 0]
 
 
 def test_collect_past_the_cap_trains_on_what_it_has_and_tops_up_for_minibatches():
@@ -214,6 +227,38 @@ def test_dynamic_sampling_draws_more_and_resumes_bit_exactly(tmp_path):
     assert [[r[k] for k in keys] for r in rows_a] == [[r[k] for k in keys] for r in rows_b]
     assert sum(r["dynamic/extra_batches"] for r in rows_a) > 0  # the reward is sparse here
     assert all(r["dynamic/groups_sampled"] >= r["dynamic/groups_kept"] for r in rows_a)
+
+
+def zero(prompts, completions, **_):
+    """A second reward term that adds nothing: the total is first_char_is_digit's."""
+    return [0.0] * len(completions)
+
+
+def test_extra_draws_count_in_reward_terms_and_rollout_throughput(tmp_path):
+    """With extra draws, ``reward/<name>`` is over the groups trained on, as ``reward/mean``
+    (it was the first draw's), and ``perf/rollout_tokens_per_s`` counts the tokens of every
+    draw the rollout time was spent on (it counted the kept rows only)."""
+    t = Trainer(_cfg(tmp_path, "parts", "steps=2", "rollout.dynamic_sampling=true",
+                     "rollout.dynamic_max_extra_batches=2"),
+                reward_fns=[first_char_is_digit, zero]).setup()
+    sampled, rollout = [], t.rollout
+
+    def counting(draw=0):
+        examples, roll = rollout(draw=draw)
+        sampled.append(sum(len(y) for y in roll.response_ids))
+        return examples, roll
+
+    t.rollout = counting
+    extra = 0.0
+    for _ in range(2):
+        sampled.clear()
+        m = t.train_step()
+        extra += m["dynamic/extra_batches"]
+        assert m["reward/first_char_is_digit"] == pytest.approx(m["reward/mean"])
+        assert m["reward/zero"] == 0.0
+        assert m["dynamic/response_tokens_sampled"] == sum(sampled)
+        assert m["perf/rollout_tokens_per_s"] * m["time/rollout_s"] == pytest.approx(sum(sampled))
+    assert extra > 0  # the reward is sparse here: the case in question ran
 
 
 def test_mask_truncated_gives_truncated_responses_no_loss_weight(tmp_path):

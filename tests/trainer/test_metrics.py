@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from gspo.trainer.metrics import max_over_ranks, mean_stats, reduce_stats
+from gspo.trainer.metrics import max_over_ranks, mean_stats, reduce_stats, rollout_metrics
 
 KINDS = {"objective/clip_frac_tokens": "tokens", "objective/seq_ratio_mean": "rows",
          "objective/seq_ratio_std": "std", "objective/seq_ratio_max": "max",
@@ -160,3 +160,46 @@ def test_max_over_ranks_logs_the_slowest_ranks_engine():
     assert max_over_ranks({}, world) == {} and world.ops == ["max"]  # nothing to send
     one = type("One", (), {"enabled": False})()
     assert max_over_ranks(mine, one) == mine
+
+
+def test_extremes_over_minibatches_skip_those_without_rows():
+    """A minibatch whose rows all have zero loss weight (rollout.mask_truncated) returns the
+    objective's 0 for its empty min/max; one process must not log that 0 as the step's
+    smallest ratio, as the torchrun path (which drops rank-minibatches without rows) does not."""
+    full = _t({"objective/seq_ratio_min": 0.9, "objective/seq_ratio_max": 1.1,
+               "objective/seq_ratio_mean": 1.0})
+    empty = _t({"objective/seq_ratio_min": 0.0, "objective/seq_ratio_max": 0.0,
+                "objective/seq_ratio_mean": 0.0})
+    counts = [{"rows": 4.0, "tokens": 20.0}, {"rows": 0.0, "tokens": 0.0}]
+    one = mean_stats([full, empty], KINDS, counts)
+    assert one["objective/seq_ratio_min"] == pytest.approx(0.9)
+    assert one["objective/seq_ratio_max"] == pytest.approx(1.1)
+    pooled = mean_stats(_pooled([([full, empty], [{**c, "weight": c["rows"]} for c in counts])])[0],
+                        KINDS, counts)
+    assert pooled["objective/seq_ratio_min"] == pytest.approx(one["objective/seq_ratio_min"])
+    # nothing with rows at all: the values as they are
+    assert mean_stats([empty], KINDS, counts[1:])["objective/seq_ratio_min"] == 0.0
+
+
+def test_entropy_over_no_response_tokens_is_nan_not_zero():
+    """rollout.mask_truncated with every response truncated: no token to average the entropy
+    over. It was logged as 0.0, which guard.collapse_entropy_floor read as a collapse."""
+    from types import SimpleNamespace
+
+    from gspo.config import GuardConfig
+    from gspo.rollout import Rollout
+    from gspo.trainer.guard import Guard
+
+    roll = Rollout([[7], [7]], [[1, 2, 3], [4, 5, 6]], [torch.zeros(3)] * 2, [True, True], 2)
+    mask = torch.zeros(2, 5)
+    batch = {"response_mask": mask, "attention_mask": torch.ones(2, 5, dtype=torch.long)}
+    one = SimpleNamespace(enabled=False, all_reduce=lambda t, op="sum": t)
+    entropy = torch.full((2, 5), 2.0)
+    out = rollout_metrics(roll, batch, entropy, torch.zeros(2), {"rollout": 1.0, "update": 1.0},
+                          1, one)
+    assert math.isnan(out["train/entropy"])
+    assert Guard(GuardConfig(collapse_entropy_floor=0.1)).observe(out) is None
+    mask[0, 2:] = 1.0
+    out = rollout_metrics(roll, batch, entropy, torch.zeros(2), {"rollout": 1.0, "update": 1.0},
+                          1, one)
+    assert out["train/entropy"] == pytest.approx(2.0)
