@@ -306,7 +306,8 @@ class GuardConfig:
     collapse_window: int = _f(5, "steps averaged by the collapse_reward_drop signal")
     collapse_reward_drop: float = _f(
         0.0, "collapse signal: reward mean over the last collapse_window steps more than this "
-        "below its best such mean (0: off)")
+        "below its best such mean (0: off); with rollout.dynamic_sampling the mean over every "
+        "sampled response (dynamic/sampled_reward_mean), not over the groups kept")
     collapse_entropy_floor: float = _f(
         0.0, "collapse signal: policy entropy per token (train/entropy) below this (0: off)")
     collapse_ratio_ceiling: float = _f(

@@ -48,7 +48,11 @@ class Guard:
             self.consecutive += 1
         else:
             self.consecutive = 0
-        drop = self._reward_drop(metrics.get("reward/mean"))  # the window moves every step
+        # the window moves every step; with dynamic sampling reward/mean is over the groups
+        # kept (with reward variance, so near the middle of the range whatever the policy
+        # does): the mean over every sampled response is what collapses
+        drop = self._reward_drop(metrics.get("dynamic/sampled_reward_mean",
+                                             metrics.get("reward/mean")))
         if cfg.max_consecutive_faults and self.consecutive >= cfg.max_consecutive_faults:
             return (f"{self.consecutive} consecutive steps with updates skipped for non-finite "
                     "loss, gradient or log-probs")

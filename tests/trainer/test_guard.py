@@ -98,6 +98,15 @@ def test_collapse_signals():
     assert "fell 0.6 below its best (1)" in verdicts[4]  # window mean 0.4
 
 
+def test_with_dynamic_sampling_the_reward_drop_reads_every_sampled_response():
+    """Dynamic sampling keeps groups with reward variance, so reward/mean stays near the middle
+    of the range while the sampled responses' mean collapses: the guard reads the latter."""
+    g = _guard(collapse_reward_drop=0.5, collapse_window=2)
+    steps = [{"reward/mean": 0.5, "dynamic/sampled_reward_mean": r} for r in (0.9, 0.9, 0.1, 0.1)]
+    verdicts = [g.observe(m) for m in steps]
+    assert verdicts[:3] == [None] * 3 and "fell 0.8 below its best (0.9)" in verdicts[3]
+
+
 def test_only_checkpoints_written_while_healthy_are_good():
     g = _guard(collapse_entropy_floor=1.0, max_consecutive_faults=3)
     g.observe({"train/entropy": 2.0})
