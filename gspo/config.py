@@ -726,6 +726,9 @@ def validate(cfg: TrainConfig) -> None:
            "lora.dropout > 0 is unused with disable_dropout=true (the default: dropout makes "
            "π_θ differ from π_old at θ = θ_old); set disable_dropout=false to train with it")
     _check(bool(lo.target_modules), "lora.target_modules must not be empty")
+    _check("all-linear" not in lo.target_modules or len(lo.target_modules) == 1,
+           "lora.target_modules: 'all-linear' stands alone (every linear layer except the "
+           "output layer); to add others, list every module name instead")
     _check(lo.r == 0 or r.engine in ("hf", "vllm"),
            f"lora.r > 0 needs rollout.engine=hf or vllm (syncing LoRA weights into {r.engine} "
            "is not implemented)")

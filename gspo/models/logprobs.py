@@ -32,6 +32,8 @@ def _split(model: Any) -> tuple[Any, Any] | None:
     head = model.get_output_embeddings()
     if backbone is None or head is None or backbone is model:
         return None
+    if not isinstance(head, torch.nn.Linear):  # e.g. a LoRA-adapted output layer, whose
+        return None  # ``weight`` is its base layer's: the adapter's term would be left out
     return backbone, head
 
 

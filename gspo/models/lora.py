@@ -51,12 +51,37 @@ def apply_lora(model: Any, cfg: Any, *, adapter_dir: str | Path | None = None) -
         _check_saved_adapter(Path(adapter_dir), cfg)
         return PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=True)
     targets = cfg.target_modules
+    if targets != ["all-linear"]:  # checked first: get_peft_model changes ``model`` in place
+        _check_targets(model, targets)
     lora = LoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
                       target_modules="all-linear" if targets == ["all-linear"] else list(targets))
     try:
         return get_peft_model(model, lora)
     except ValueError as e:  # e.g. no module matches target_modules
         raise ModelError(f"lora: {str(e).strip().splitlines()[0]}") from None
+
+
+def _check_targets(model: Any, targets: list[str]) -> None:
+    """Every name in ``targets`` names modules of ``model`` as PEFT matches a list (the whole
+    name, or its end after a dot): PEFT refuses only a list of which *no* name matches, so a
+    misspelt name beside a good one would silently adapt fewer layers. An output layer tied
+    to the input embeddings cannot be adapted: merging its adapter (``gspo export``, the
+    weights sent to vLLM) would change the embeddings too. A :class:`ModelError`."""
+    names = [n for n, _ in model.named_modules()]
+    hits = lambda t: [n for n in names if n == t or n.endswith(f".{t}")]  # noqa: E731
+    unmatched = [t for t in targets if not hits(t)]
+    if unmatched:
+        raise ModelError(f"lora: target_modules {unmatched} match no module of "
+                         f"{type(model).__name__}")
+    head, inputs = model.get_output_embeddings(), model.get_input_embeddings()
+    if head is None or inputs is None or head.weight is not inputs.weight:
+        return
+    head_name = next(n for n, m in model.named_modules() if m is head)
+    if any(head_name in hits(t) for t in targets):
+        raise ModelError(f"lora: target_modules adapts the output layer {head_name}, whose "
+                         f"weight {type(model).__name__} shares with the input embeddings "
+                         "(tie_word_embeddings): merging the adapter (gspo export, vLLM) would "
+                         "change the embeddings too; leave it out")
 
 
 def _check_saved_adapter(adapter_dir: Path, cfg: Any) -> None:

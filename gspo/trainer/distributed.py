@@ -347,8 +347,10 @@ def load_optimizer_state(model: Any, optimizer: Any, state: dict[str, Any], d: D
         set_optimizer_state_dict,
     )
 
-    if by_index:  # the optimizer was built from the trainable parameters, in model order
-        names = [n for n, p in model.named_parameters() if p.requires_grad]
+    if by_index:  # index i: the i-th parameter of the optimizer's groups, in group order (not
+        # model order when there are several groups, e.g. moe.router_lr_scale's routers last)
+        name_of = {id(p): n for n, p in model.named_parameters()}
+        names = [name_of[id(p)] for g in optimizer.param_groups for p in g["params"]]
         state = {"state": {names[i]: v for i, v in state["state"].items()},
                  "param_groups": [{**g, "params": [names[i] for i in g["params"]]}
                                   for g in state["param_groups"]]}

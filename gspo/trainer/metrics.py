@@ -53,21 +53,24 @@ def max_over_ranks(metrics: dict[str, float], dist: Any) -> dict[str, float]:
 
 def mean_stats(stats: list[dict[str, torch.Tensor]], kinds: Mapping[str, str],
                counts: list[dict[str, float]] | None = None) -> dict[str, float]:
-    """Combine each key over minibatches: min/max kinds take the min/max (given ``counts``,
-    over the minibatches with valid rows, as :func:`reduce_stats` does across ranks: an
-    objective's 0 for an empty set is no extreme), the ``signal_*`` kinds a mean weighted by
-    each minibatch's rows (tokens) with signal, given ``counts`` (a minibatch without any adds
-    nothing; 0 when no minibatch has one), the others the plain mean; one host sync."""
+    """Combine each key over minibatches: min/max kinds take the min/max, the ``signal_*``
+    kinds a mean weighted by each minibatch's rows (tokens) with signal, given ``counts`` (a
+    minibatch without any adds nothing; 0 when no minibatch has one), the others the plain
+    mean; one host sync. Given ``counts``, a minibatch without a valid row (every row masked,
+    e.g. by ``rollout.mask_truncated``) adds nothing to any kind but ``rank``: its stats are
+    placeholders (0, or ±inf for an extreme over ranks), not values of any row."""
     if not stats:
         return {}
     out: dict[str, float] = {}
-    has_rows = (None if counts is None or not any(c.get("rows", 0.0) > 0 for c in counts)
-                else torch.tensor([c.get("rows", 0.0) > 0 for c in counts]))
     for key in stats[0]:
-        values = torch.stack([s[key].detach().float() for s in stats])
         kind = stat_kind(key, kinds)
-        if kind in ("min", "max") and has_rows is not None:
-            values = values[has_rows]
+        rows = stats
+        if counts is not None and kind != "rank" and not kind.startswith("signal_"):
+            rows = [s for s, c in zip(stats, counts) if c["rows"] > 0]
+            if not rows:
+                out[key] = 0.0
+                continue
+        values = torch.stack([s[key].detach().float() for s in rows])
         if kind == "min":
             out[key] = float(values.min())
         elif kind == "max":

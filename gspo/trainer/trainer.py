@@ -1067,8 +1067,11 @@ class Trainer:
             self.reliability.report_reward_errors(self.step + 1, self.scorer.first_errors)
         self.step += 1
         self.final_eval = None
-        metrics.update({f"reward/failures/{n}": self.scorer.failures.get(n, 0)
-                        - failures.get(n, 0) for n in self.scorer.names})
+        # each rank scored its own rows: the step's failures are the sum over ranks
+        new = torch.tensor([float(self.scorer.failures.get(n, 0) - failures.get(n, 0))
+                            for n in self.scorer.names], dtype=torch.float64)
+        metrics.update({f"reward/failures/{n}": v for n, v in
+                        zip(self.scorer.names, self.dist.all_reduce(new).tolist())})
         guard = self.reliability.guard
         reason = guard.observe(metrics)
         stop_reason = (self.reliability.respond(reason, self.step, self.model, self.optimizer,

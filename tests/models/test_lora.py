@@ -101,8 +101,10 @@ def test_adapter_checkpoint_resume_and_merged_export(tmp_path):
 
     # the adapter's shape comes from the checkpoint: another one in the config is refused
     for other in ("lora.r=8", "lora.alpha=16", "lora.dropout=0.1", "lora.target_modules=[q_proj]"):
+        extra = ["disable_dropout=false"] if other.startswith("lora.dropout") else []
         with pytest.raises(ConfigError, match=f"resume: {other.split('=')[0]}="):
-            Trainer(_cfg(tmp_path, "c", "steps=0", f"resume={trainer.run_dir}", other)).setup()
+            Trainer(_cfg(tmp_path, "c", "steps=0", f"resume={trainer.run_dir}", other,
+                         *extra)).setup()
     resumed = Trainer(_cfg(tmp_path, "b", "steps=0", f"resume={trainer.run_dir}")).setup()
     got = dict(resumed.model.named_parameters())
     for name, value in adapter.items():
@@ -156,3 +158,44 @@ def test_merged_weights_are_merge_and_unloads_and_leave_the_policy_alone():
     assert not torch.equal(merged["model.layers.0.self_attn.q_proj.weight"], before[base])
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
+
+
+def test_every_target_module_name_must_match_and_all_linear_stands_alone():
+    """PEFT refuses a target list only when none of its names matches: a misspelt name beside
+    a good one, or 'all-linear' beside a name, would silently adapt fewer layers."""
+    from gspo.models.loading import ModelError
+
+    model, _ = build_tiny("llama", seed=0)
+    with pytest.raises(ModelError, match=r"\['v_prj'\] match no module"):
+        apply_lora(model, LoRAConfig(r=4, target_modules=["q_proj", "v_prj"]))
+    assert not any("lora_" in n for n, _ in model.named_parameters())  # left as it was
+    with pytest.raises(ConfigError, match="'all-linear' stands alone"):
+        load_config(None, ["lora.r=4", "lora.target_modules=[all-linear,lm_head]"])
+    model, _ = build_tiny("llama", seed=0)
+    adapted = apply_lora(model, LoRAConfig(r=4, target_modules=["q_proj", "self_attn.v_proj"]))
+    assert {n.rpartition(".")[2] for n in adapted.targeted_module_names} == {"q_proj", "v_proj"}
+
+
+def test_an_adapted_output_layer_counts_in_the_logprobs_and_trains():
+    """lora.target_modules may name an untied output layer: its adapter is part of π (the
+    fast head path, which reads the head's weight, would use the base weight alone) and gets a
+    gradient; a tied one (tiny llama's) is refused, since merging would change the
+    embeddings."""
+    from gspo.models.loading import ModelError
+
+    tied, _ = build_tiny("llama", seed=0)
+    with pytest.raises(ModelError, match="shares with the input embeddings"):
+        apply_lora(tied, LoRAConfig(r=4, target_modules=["q_proj", "lm_head"]))
+    model, _ = build_tiny("qwen3_moe", seed=0)
+    assert not model.config.tie_word_embeddings
+    model = apply_lora(model, LoRAConfig(r=4, target_modules=["q_proj", "lm_head"]))
+    perturb(model)
+    ids, mask, target = batch()
+    lp, _ = token_logprobs(model, ids, mask, target)
+    with torch.no_grad():
+        want = full_logprobs(model, ids, mask, target)
+    assert float((lp - want).abs().max()) < 1e-5
+    (-lp.sum()).backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if "lm_head.lora_" in n}
+    assert len(grads) == 2 and all(g is not None and bool(g.abs().sum() > 0)
+                                   for g in grads.values())

@@ -311,3 +311,83 @@ def test_an_engine_for_one_process_only_is_refused_under_torchrun(tmp_path, monk
     with pytest.raises(ConfigError, match=r"rollout\.engine=llamacpp runs in one process "
                                           r"only; use rollout\.engine=hf or vllm under"):
         Trainer(cfg).setup()
+
+
+def _router_lr_worker(rank: int, out_dir: str) -> None:
+    from gspo.config import MoEConfig
+    from gspo.trainer.distributed import load_optimizer_state, optimizer_state
+    from gspo.trainer.moe_hooks import MoEHooks
+
+    torch.set_num_threads(1)
+    tdist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank,
+                             world_size=WORLD, timeout=TIMEOUT)
+    cfg = MoEConfig(router_lr_scale=2.0)  # two groups: the routers' after the rest
+
+    def optimizer(model):
+        hooks = MoEHooks(model, cfg)
+        return torch.optim.AdamW(hooks.param_groups(model, 1e-3), lr=1e-3)
+
+    single, _ = load_model("tiny:qwen3_moe", seed=0)  # a one-process (index-keyed) state
+    opt = optimizer(single)
+    single(torch.arange(3, 15).view(2, 6)).logits.float().pow(2).mean().backward()
+    opt.step()
+    name_of = {id(p): n for n, p in single.named_parameters()}
+    want = {name_of[id(p)]: s["exp_avg"] for p, s in opt.state.items()}
+    model, _ = load_model("tiny:qwen3_moe", seed=0)
+    d = Dist(rank=rank, world_size=WORLD, strategy="fsdp2")
+    d.engine = wrap(model, d)
+    sharded = optimizer(model)
+    load_optimizer_state(model, sharded, opt.state_dict(), d)
+    full = optimizer_state(model, sharded, d)  # name-keyed, complete on rank 0
+    if rank == 0:
+        wrong = [n for n, t in want.items() if full["state"][n]["exp_avg"].shape != t.shape
+                 or not torch.equal(full["state"][n]["exp_avg"], t)]
+        (Path(out_dir) / "wrong.json").write_text(json.dumps(wrong))
+    del model, sharded, d
+    import gc
+
+    gc.collect()
+    tdist.barrier()
+    tdist.destroy_process_group()
+
+
+def test_an_index_keyed_optimizer_state_with_two_groups_loads_into_fsdp2(tmp_path):
+    """A one-process (or DDP) checkpoint's AdamW state resumes under FSDP2 with each moment on
+    its own parameter, also with moe.router_lr_scale's second group (the optimizer's order is
+    then not the model's)."""
+    mp.spawn(_router_lr_worker, args=(str(tmp_path),), nprocs=WORLD, join=True)
+    assert json.loads((tmp_path / "wrong.json").read_text()) == []
+
+
+FAILING_REWARD = textwrap.dedent("""
+    import json, os, sys
+    from gspo.config import load_config
+    from gspo.trainer import Trainer
+
+    def broken(prompts, completions, **_):
+        raise ValueError("boom")
+
+    out = sys.argv[1]
+    cfg = load_config(None, ["model=tiny:llama", f"output_dir={out}", "run_name=r",
+        "progress=false", "tensorboard=false", "rollout.max_new_tokens=3",
+        "rollout.prompts_per_step=2", "rollout.group_size=4", "task.eval_size=0",
+        "objective.num_minibatches=2", "steps=1", "save_final=false",
+        "reward.max_unscorable_frac=1.0"])
+    trainer = Trainer(cfg, reward_fns=[broken]).setup()
+    trainer.train()
+    trainer.cleanup()
+""")
+
+
+def test_reward_failures_under_torchrun_count_every_ranks_rows(tmp_path):
+    """Each rank scores its own rows; the logged ``reward/failures/*`` of a step is the sum
+    over ranks (rank 0 logs it), as in one process: 8 unscorable responses, not rank 0's 4."""
+    script = tmp_path / "fail.py"
+    script.write_text(FAILING_REWARD)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = run_session(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD),
+         "--standalone", str(script), str(tmp_path)], env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(x) for x in open(tmp_path / "r" / "metrics.jsonl")]
+    assert rows[-1]["reward/failures/broken"] == 8

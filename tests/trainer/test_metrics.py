@@ -100,6 +100,26 @@ def test_mean_stats_reads_kinds_not_names():
     assert mean_stats([], {}) == {}
 
 
+def test_mean_stats_leaves_out_a_minibatch_without_valid_rows():
+    """A minibatch whose rows are all masked (rollout.mask_truncated) returns placeholder
+    stats (0; under torchrun ±inf extremes): they change neither the step's ratio mean nor its
+    minimum, in one process as over ranks; only the ``rank`` kinds keep it."""
+    kinds = {"r_mean": "rows", "r_min": "min", "r_max": "max", "loss": "weight",
+             "gnorm": "rank"}
+    full = {"rows": 2.0, "tokens": 5.0, "signal_rows": 2.0, "signal_tokens": 5.0, "weight": 2.0}
+    empty = dict.fromkeys(full, 0.0)
+    stats = [_t({"r_mean": 0.98, "r_min": 0.97, "r_max": 0.99, "loss": 0.5, "gnorm": 2.0}),
+             _t({"r_mean": 0.0, "r_min": 0.0, "r_max": 0.0, "loss": 0.0, "gnorm": 0.0})]
+    out = mean_stats(stats, kinds, [full, empty])
+    assert out["r_mean"] == pytest.approx(0.98) and out["r_min"] == pytest.approx(0.97)
+    assert out["r_max"] == pytest.approx(0.99) and out["loss"] == pytest.approx(0.5)
+    assert out["gnorm"] == pytest.approx(1.0)
+    over_ranks = [stats[0], _t({"r_mean": 0.0, "r_min": math.inf, "r_max": -math.inf,
+                                "loss": 0.0, "gnorm": 0.0})]
+    assert mean_stats(over_ranks, kinds, [full, empty])["r_min"] == pytest.approx(0.97)
+    assert mean_stats(stats[1:], kinds, [empty])["r_min"] == 0.0
+
+
 SIGNAL_KINDS = {"objective/clip_frac_seqs_signal": "signal_rows",
                 "objective/clip_frac_tokens_signal": "signal_tokens"}
 
