@@ -353,7 +353,9 @@ class TrainConfig:
     seed: int = _f(0, "seed for data, sampling and initialisation")
     output_dir: str = _f("runs", "parent folder of run folders")
     run_name: str = _f("", "run folder name (empty: a timestamp)")
-    resume: str = _f("", "run folder to resume from its latest checkpoint")
+    resume: str = _f(
+        "", "run folder to resume from its latest checkpoint (`gspo train resume=RUN` without a "
+        "CONFIG.yaml starts from RUN/config.yaml; key=value overrides still apply)")
     device: str = _f(
         "auto", "where the policy trains and the hf engine samples: 'auto' (the GPU when "
         "torch sees one, else the CPU), 'cpu', 'cuda' or 'cuda:N'; under torchrun each rank "

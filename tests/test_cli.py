@@ -177,6 +177,37 @@ def test_resume_without_checkpoint(capsys, tmp_path):
     assert "checkpoint" in fail(capsys, tmp_path, TINY, f"resume={empty}")
 
 
+def test_resume_continues_with_the_runs_own_config(tmp_path, monkeypatch):
+    """``gspo train resume=RUN`` (the line an interrupted run prints) continues the run with
+    RUN/config.yaml, not with the defaults (which silently switched a GRPO run on a tiny model
+    to GSPO on SmolLM2); key=value overrides given with it still apply on top."""
+    import dataclasses
+
+    import gspo.trainer
+    from gspo.config import load_config, to_dict
+
+    run = tmp_path / "run"
+    run.mkdir()
+    started = load_config("tiny_cpu", ["objective.name=grpo", "objective.eps_low=0.2",
+                                       "objective.eps_high=0.27", "task.eval_size=4"])
+    (run / "config.yaml").write_text(yaml.safe_dump(to_dict(started), sort_keys=False))
+
+    class Built(Exception):
+        pass
+
+    seen = []
+
+    class Recorder:  # stands in for the Trainer: records the config, trains nothing
+        def __init__(self, cfg):
+            seen.append(cfg)
+            raise Built
+
+    monkeypatch.setattr(gspo.trainer, "Trainer", Recorder)
+    with pytest.raises(Built):
+        main(["train", f"resume={run}", "steps=20"])
+    assert seen == [dataclasses.replace(started, resume=str(run), steps=20)]
+
+
 # ----------------------------------------------------------------------------- commands
 
 

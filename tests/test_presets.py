@@ -65,6 +65,13 @@ def test_every_preset_has_a_one_line_summary(capsys):
         assert len(text.strip()) <= presets.SUMMARY_CHARS
 
 
+@pytest.mark.parametrize("flag", ["-h", "--help"])
+def test_presets_help(flag, capsys):
+    """``gspo presets --help`` prints its usage and exits 0, as every other command's does."""
+    assert main(["presets", flag]) == 0
+    assert capsys.readouterr().out.startswith("usage: gspo presets")
+
+
 def test_cli_from_another_directory(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 

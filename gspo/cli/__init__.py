@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from gspo import presets
@@ -56,8 +57,26 @@ def _config_help() -> str:
         f"  {k:<{width}}  {h} [default: {d}]" for k, d, h in rows)
 
 
+def _resumed_run_config(overrides: list[str]) -> str | None:
+    """``RUN/config.yaml`` when the overrides hold ``resume=RUN`` and that file exists, else
+    None: ``gspo train resume=RUN`` (what an interrupted run prints) continues the run with the
+    settings it was started with, not with the defaults; later key=value overrides still
+    apply on top of it."""
+    from gspo.config import parse_override
+
+    resume = ""
+    for item in overrides:
+        value = parse_override(item).get("resume")
+        if value is not None and not isinstance(value, dict):
+            resume = str(value)
+    saved = Path(resume) / "config.yaml" if resume else None
+    return str(saved) if saved is not None and saved.is_file() else None
+
+
 def cmd_train(args: list[str]) -> int:
     path, overrides = _split_args(args)
+    if path is None:  # `gspo train resume=RUN [key=value ...]`: the run's own config
+        path = _resumed_run_config(overrides)
     cfg = load_config(path, overrides)
     from gspo.trainer import Trainer
 
@@ -236,6 +255,10 @@ def cmd_compare(argv: list[str]) -> int:
 
 
 def cmd_presets(argv: list[str]) -> int:
+    if argv in (["-h"], ["--help"]):
+        print("usage: gspo presets\n\nlist the presets shipped with gspo, one line each; run "
+              "one by name: gspo train tiny_cpu, gspo compare moe/compare")
+        return 0
     if argv:
         raise ConfigError(f"gspo presets takes no arguments, got '{argv[0]}'")
     print(presets.listing())
