@@ -285,6 +285,7 @@ class Trainer:
                           "and GRPO compute the same update (clipping never acts)", stacklevel=2)
         self.run_dir = self._make_run_dir()
         guard_state = self._restore(resume_ckpt) if resume_ckpt is not None else None
+        self._write_config()
         self.reliability = Reliability(cfg.guard, self.run_dir, guard_state)
         logger = MetricsLogger(self.run_dir, cfg.tensorboard,
                                resume_step=self.step if resume_ckpt else -1)
@@ -479,38 +480,50 @@ class Trainer:
                                       f"pick another run_name or resume={run_dir}")
             if self.dist.is_main:
                 run_dir.mkdir(parents=True, exist_ok=True)
-        if self.dist.is_main:  # rank 0 owns the run folder
-            (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
         self.dist.barrier()  # every rank has checked the folder before rank 0 writes into it
         return run_dir
+
+    def _write_config(self) -> None:
+        """``RUN/config.yaml`` (rank 0 owns the run folder); on a resume written only once the
+        checkpoint is restored, so a resume that fails leaves the run's own config."""
+        if self.dist.is_main:
+            (self.run_dir / "config.yaml").write_text(
+                yaml.safe_dump(to_dict(self.cfg), sort_keys=False))
 
     # ------------------------------------------------------------------ checkpoints
     def _restore(self, ckpt: Path) -> dict[str, Any] | None:
         """Load optimizer, schedule, data position, RNG and counters; the guard's state."""
         optim_state, state = load_checkpoint_state(ckpt)
-        distributed.load_optimizer_state(self.model, self.optimizer, optim_state["optimizer"],
-                                         self.dist)
-        self.scheduler.load_state_dict(optim_state["scheduler"])
-        self.task.load_state_dict(state["task"])
-        torch.set_rng_state(optim_state["torch_rng"])
-        if optim_state.get("cuda_rng") is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(optim_state["cuda_rng"])
-        set_extra_rng_state(state.get("rng", {}))
-        # Lines logged after this checkpoint belong to steps the resumed run redoes.
-        truncate_logs(self.run_dir, state.get("log_sizes", {}))
-        self.step, self.history = state["step"], state.get("history", [])
-        self.zero_signal.load_state_dict(state.get("zero_signal", {"streak": 0, "warned": False}))
-        self.baseline_eval = state.get("baseline_eval")
-        self.final_eval = state.get("final_eval")
-        self.saved_step = self.step
         if ("async" in state) != (self.async_rollout is not None):
             raise ConfigError("resume: rollout.async_steps must be 0 in both runs or > 0 in "
                               "both, and vLLM under torchrun in both or neither (the "
                               "checkpoint holds an engine process's in-flight batches only "
                               "then)")
+        try:
+            self.task.load_state_dict(state["task"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConfigError(
+                f"resume: the checkpoint's data position does not fit task.name="
+                f"{self.cfg.task.name} ({type(e).__name__}: {e}); resume with the run's own "
+                f"config: gspo train resume={self.cfg.resume}") from None
+        distributed.load_optimizer_state(self.model, self.optimizer, optim_state["optimizer"],
+                                         self.dist)
+        self.scheduler.load_state_dict(optim_state["scheduler"])
+        torch.set_rng_state(optim_state["torch_rng"])
+        if optim_state.get("cuda_rng") is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(optim_state["cuda_rng"])
+        set_extra_rng_state(state.get("rng", {}))
+        self.step, self.history = state["step"], state.get("history", [])
+        self.zero_signal.load_state_dict(state.get("zero_signal", {"streak": 0, "warned": False}))
+        self.baseline_eval = state.get("baseline_eval")
+        self.final_eval = state.get("final_eval")
+        self.saved_step = self.step
         if self.async_rollout is not None:
             self.async_rollout.load_state_dict(state["async"], self.dist.rank,
                                                self.dist.world_size)
+        # Lines logged after this checkpoint belong to steps the resumed run redoes (last:
+        # a resume that fails above leaves the run folder as it was).
+        truncate_logs(self.run_dir, state.get("log_sizes", {}))
         return state.get("guard")
 
     def save_checkpoint(self) -> Path:

@@ -79,6 +79,22 @@ def test_resume_is_bit_identical(tmp_path):
     assert steps == sorted(steps) and steps.count(3) == 1
 
 
+def test_a_resume_whose_task_does_not_fit_fails_cleanly_and_leaves_the_run_as_it_was(tmp_path):
+    """Another task's data position is a one-line ConfigError that names the fix, raised before
+    config.yaml and metrics.jsonl change (a resume that fails must not rewrite the run)."""
+    from gspo.data.builtin import GSM8K_MINI
+
+    first = Trainer(_cfg(tmp_path, "b", "steps=1"), reward_fns=[starts_with_digit]).setup()
+    first.train()
+    before = {f: (first.run_dir / f).read_bytes() for f in ("config.yaml", "metrics.jsonl")}
+    wrong = _cfg(tmp_path, "ignored", "steps=2", f"resume={first.run_dir}", "task.name=jsonl",
+                 f"task.path={GSM8K_MINI}", "task.eval_size=2")
+    with pytest.raises(ConfigError, match=r"resume: the checkpoint's data position does not "
+                       r"fit task.name=jsonl .*gspo train resume="):
+        Trainer(wrong, reward_fns=[starts_with_digit]).setup()
+    assert {f: (first.run_dir / f).read_bytes() for f in before} == before
+
+
 def _one_step(tmp_path, name, *overrides):
     """One training step (lr 1e-2, group 4, no evaluation): the trainer, the step's weights and
     its sequence-ratio spread."""
