@@ -38,13 +38,17 @@ the same loop (:func:`run_engine`) on weights it receives by ``torch.distributed
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import copy
 import dataclasses
+import functools
 import io
 import queue
+import signal
 import time
 import traceback
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -489,14 +493,26 @@ def _engine_main(skeleton: bytes, entries: list[_Entry], slots: list[dict[str, t
     through queues; ``finished`` (shared) counts the requests it is done with; ``waiting``
     (shared, with thread lending) is 1 while the trainer waits for a batch, whose ``borrow``
     threads the engine then uses."""
+    # The trainer stops this process (AsyncEngine.close, also at its exit; or its death:
+    # _next_request). A Ctrl-C reaches the whole process group, a batch scheduler's SIGTERM
+    # every process of the job: the trainer then finishes its step and checkpoints, which
+    # waits for the batches in flight here.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
     def put(kind: str, payload: Any) -> None:
         if kind != "ready":
             finished.add_(1)
         results.put((kind, payload))
 
+    def next_request() -> Request | None:
+        req = _next_request(requests)
+        if req is None:  # the trainer reads no more batches: exit without pushing those
+            results.cancel_join_thread()  # it left into the pipe (a full one never drains)
+        return req
+
     run_engine(skeleton, entries, slots, lambda slot, _: int(slot_versions[slot]), tokenizer,
-               engine, opts, threads, recompute, lambda: _next_request(requests), put, device,
-               turns, changing,
+               engine, opts, threads, recompute, next_request, put, device, turns, changing,
                None if waiting is None else ThreadLending(threads, borrow,
                                                           lambda: bool(waiting.item())))
 
@@ -628,6 +644,10 @@ class AsyncEngine:
                   device if device is not None else torch.device("cpu"), turns,
                   self._changing, self.finished, self.waiting, torch.get_num_threads()))
         self.proc.start()
+        # At exit, before multiprocessing's own handler ends daemon processes with a SIGTERM
+        # (which this one ignores) and joins them: a trainer that never called close()
+        self._at_exit = functools.partial(_close_at_exit, weakref.ref(self))
+        atexit.register(self._at_exit)
         kind, payload = self._get(startup_timeout_s)
         if kind != "ready":
             raise RuntimeError(f"rollout engine process did not start: {payload}")
@@ -686,6 +706,8 @@ class AsyncEngine:
                                        ) from None
 
     def close(self) -> None:
+        if hasattr(self, "_at_exit"):  # absent when the process did not start
+            atexit.unregister(self._at_exit)
         if self.proc.is_alive():
             self.requests.put(None)
             self.proc.join(timeout=10)
@@ -695,3 +717,8 @@ class AsyncEngine:
         for q in (self.requests, self.results):
             q.close()
             q.cancel_join_thread()
+
+
+def _close_at_exit(engine: weakref.ref[AsyncEngine]) -> None:
+    if (alive := engine()) is not None:
+        alive.close()

@@ -1129,3 +1129,110 @@ def test_a_run_on_lent_threads_trains_to_the_same_weights(tmp_path):
     assert rows[0]["async/engine_borrowed_s"] > 0
     assert torch.get_num_threads() == 1  # given back when the pipeline closed
     assert not any("async/lent_threads_s" in r for r in _rows(own))
+
+
+@pytest.mark.slow
+def test_the_engine_process_outlives_a_ctrl_c_or_sigterm_to_the_process_group():
+    """A Ctrl-C in a terminal sends SIGINT to the whole process group, a batch scheduler
+    SIGTERM to every process of a job: the trainer then finishes its step and checkpoints
+    (GracefulStop), which waits for the engine's batches in flight. So the engine process
+    ignores both (the trainer stops it) and still samples what it is asked."""
+    import os
+    import signal
+    import time
+
+    from gspo.models import token_logprobs
+    from gspo.rollout.async_engine import Recompute
+
+    model, tok = load_model("tiny:llama", seed=0)
+    eng = AsyncEngine(model, tok, engine="hf", opts=EngineOptions(), steps_ahead=1, threads=1,
+                      recompute=Recompute(token_logprobs, 1.0, 8, 0))
+    try:
+        os.kill(eng.proc.pid, signal.SIGINT)
+        os.kill(eng.proc.pid, signal.SIGTERM)
+        time.sleep(1.0)  # the signals arrive while the engine waits for a request
+        eng.submit(Request(0, 0, [[1, 2]], 2, SamplingParams(3, 1.0), [0], False))
+        step, enc = eng.take(timeout_s=120)
+        assert step == 0 and len(enc["response_ids"]) == 2
+        assert eng.proc.is_alive()
+    finally:
+        eng.close()
+    assert not eng.proc.is_alive()
+
+
+ENGINE_LEFT_UNREAD = '''
+import os, signal, sys, time
+from gspo.models import load_model, token_logprobs
+from gspo.rollout import SamplingParams
+from gspo.rollout.async_engine import AsyncEngine, Recompute, Request
+from gspo.rollout.engine import EngineOptions
+
+if __name__ == "__main__":
+    model, tok = load_model("tiny:llama", seed=0)
+    eng = AsyncEngine(model, tok, engine="hf", opts=EngineOptions(), steps_ahead=1, threads=1,
+                      recompute=Recompute(token_logprobs, 1.0, 8, 0))
+    print(eng.proc.pid, flush=True)
+    for step in range(2):  # > 64 KiB of results, more than a pipe holds
+        eng.submit(Request(step, 0, [[200] * 400] * 4, 16, SamplingParams(4, 1.0),
+                           [0, 1, 2, 3], False))
+    while not eng.idle():  # both sampled: the engine now waits to push them into the pipe
+        time.sleep(0.1)
+    os.kill(os.getpid(), signal.SIGKILL)  # the trainer dies without reading them
+'''
+
+
+ENGINE_NEVER_CLOSED = '''
+from gspo.models import load_model, token_logprobs
+from gspo.rollout.async_engine import AsyncEngine, Recompute
+from gspo.rollout.engine import EngineOptions
+
+if __name__ == "__main__":
+    model, tok = load_model("tiny:llama", seed=0)
+    eng = AsyncEngine(model, tok, engine="hf", opts=EngineOptions(), steps_ahead=1, threads=1,
+                      recompute=Recompute(token_logprobs, 1.0, 8, 0))
+'''
+
+
+@pytest.mark.slow
+def test_a_trainer_that_never_closes_its_engine_still_exits(tmp_path):
+    """The engine process ignores SIGTERM, multiprocessing's way to end a daemon process at
+    exit: the engine is closed at exit before that, so the interpreter does not wait for it
+    forever."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "trainer.py"
+    script.write_text(ENGINE_NEVER_CLOSED)
+    repo = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, str(script)], timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(repo)})
+    assert proc.returncode == 0
+
+
+@pytest.mark.slow
+def test_an_engine_process_exits_when_its_trainer_is_killed_with_batches_unread(tmp_path):
+    """A SIGKILLed trainer leaves batches unread; the engine process must still exit (it
+    holds k + 1 copies of the policy), not wait forever to push them into a pipe no one
+    reads."""
+    import os
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    script = tmp_path / "trainer.py"
+    script.write_text(ENGINE_LEFT_UNREAD)
+    repo = Path(__file__).resolve().parents[2]
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(repo)})
+    pid = int(proc.stdout.readline())
+    assert proc.wait(timeout=300) == -9
+    end = time.monotonic() + 30
+    while os.path.exists(f"/proc/{pid}") and time.monotonic() < end:
+        time.sleep(0.2)
+    alive = os.path.exists(f"/proc/{pid}")
+    if alive:
+        os.kill(pid, 9)
+    assert not alive, "the engine process outlived its killed trainer"
