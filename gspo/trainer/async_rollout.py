@@ -224,7 +224,7 @@ class AsyncRollout:
                        # GPU engine's load of the slot onto the device, part of
                        # time/rollout_engine_s
                        "async/engine_sync_s": enc.get("sync_s", 0.0),
-                       **staleness_metrics(step, roll.versions)}
+                       **staleness_metrics(step, roll.versions, self.k)}
         return examples, roll
 
     def extra(self, step: int, draw: int, examples: list[Example], req: Request) -> Rollout:
@@ -304,12 +304,15 @@ class AsyncRollout:
             self.engine.close()
 
 
-def staleness_metrics(step: int, versions: list[int]) -> dict[str, float]:
+def staleness_metrics(step: int, versions: list[int], k: int) -> dict[str, float]:
     """``async/staleness_{mean,max,min}``: how many updates behind ``step`` the rows' policy
-    versions are."""
+    versions are; ``async/staleness_frac_{s}`` for s = 0 … ``k`` (the bound): the share of
+    rows s updates behind (the distribution; the same keys every step)."""
     lag = torch.tensor([step - v for v in versions], dtype=torch.float64)
     return {"async/staleness_mean": float(lag.mean()), "async/staleness_max": float(lag.max()),
-            "async/staleness_min": float(lag.min())}
+            "async/staleness_min": float(lag.min()),
+            **{f"async/staleness_frac_{s}": float((lag == s).double().mean())
+               for s in range(k + 1)}}
 
 
 def _row_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -963,8 +963,8 @@ class Trainer:
         if self.async_rollout is not None:
             # rows of this step's weights joined the pipeline's: staleness over the rows kept
             # (all ranks'; the joined rows' episode metrics, recomputed for them, stay)
-            joined.extras = {**roll.extras, **staleness_metrics(self.step, joined.versions),
-                             **joined.extras}
+            lag = staleness_metrics(self.step, joined.versions, self.cfg.rollout.async_steps)
+            joined.extras = {**roll.extras, **lag, **joined.extras}
         if self.dist.enabled:  # every rank chose the same groups: this rank's share of them
             g, extras = roll.group_size, joined.extras
             lo, hi = self.dist.shard(len(kept))

@@ -283,6 +283,8 @@ def test_pipeline_asks_ahead_in_order_and_checkpoints_its_inflight_batches():
         got[step] = roll
         assert roll.versions == [behaviour_version(step, 2)] * len(roll)
         assert roll.extras["async/staleness_max"] == min(step, 2)
+        fracs = [roll.extras[f"async/staleness_frac_{s}"] for s in range(3)]
+        assert fracs == [float(s == min(step, 2)) for s in range(3)]  # every row at one lag
         with torch.no_grad():
             next(model.parameters()).add_(0.1)
         pipe.publish(model, step + 1)
@@ -1236,3 +1238,12 @@ def test_an_engine_process_exits_when_its_trainer_is_killed_with_batches_unread(
     if alive:
         os.kill(pid, 9)
     assert not alive, "the engine process outlived its killed trainer"
+
+
+def test_the_staleness_distribution_has_one_share_per_lag_up_to_the_bound():
+    from gspo.trainer.async_rollout import staleness_metrics
+
+    m = staleness_metrics(5, [5, 4, 4, 3], k=3)
+    assert [m[f"async/staleness_frac_{s}"] for s in range(4)] == [0.25, 0.5, 0.25, 0.0]
+    assert (m["async/staleness_min"], m["async/staleness_mean"], m["async/staleness_max"]) == (
+        0.0, 1.0, 2.0)
