@@ -15,11 +15,14 @@ Two sources make GSPO's sequence ratio large, and they are logged apart (docs/co
   the sequences' total |log-ratio| that the engine contributes.
 
 Each rank's values are gathered (the quantiles need them all), so these metrics are global
-already and need no reduction kind. Logged on steps with a trainer π_old pass.
+already and need no reduction kind. Logged on steps with a trainer π_old pass, over the
+response tokens the loss sees (``rollout.mask_truncated`` leaves truncated responses out); NaN
+(``null`` in metrics.jsonl, as ``train/entropy``) on a step where there are none.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -27,12 +30,24 @@ import torch
 from gspo.objectives import LOG_RATIO_CLAMP
 
 
+def _linear_quantiles(values: torch.Tensor, qs: list[float]) -> list[float]:
+    """``torch.quantile(values, qs)`` (linear interpolation) of a non-empty 1-D tensor, by one
+    sort: ``torch.quantile`` refuses inputs above 2**24 elements, which the token-level values
+    of a large step's global batch reach (e.g. 1024 responses of 16k tokens)."""
+    s = values.sort().values
+    pos = torch.tensor(qs, dtype=torch.float64) * (s.numel() - 1)
+    lo, hi = pos.floor().long(), pos.ceil().long()
+    return torch.lerp(s[lo].double(), s[hi].double(), pos - lo).tolist()
+
+
 def _quantiles(prefix: str, values: torch.Tensor) -> dict[str, float]:
-    """Signed mean, max |·|, p50 and p99 of |·| of a 1-D float64 tensor (zeros when empty)."""
+    """Signed mean, max |·|, p50 and p99 of |·| of a 1-D float64 tensor; NaN when it is empty
+    (no response token the loss sees, e.g. ``rollout.mask_truncated`` with every response
+    truncated: nothing was measured, which a 0 would report as no mismatch)."""
     if values.numel() == 0:
-        values = torch.zeros(1, dtype=torch.float64)
+        values = torch.full((1,), math.nan, dtype=torch.float64)
     a = values.abs()
-    q = torch.quantile(a, torch.tensor([0.5, 0.99], dtype=torch.float64)).tolist()
+    q = _linear_quantiles(a, [0.5, 0.99])
     return {f"{prefix}_mean": float(values.mean()), f"{prefix}_abs_max": float(a.max()),
             f"{prefix}_abs_p50": q[0], f"{prefix}_abs_p99": q[1]}
 
@@ -61,12 +76,13 @@ def mismatch_metrics(rollout: torch.Tensor, old: torch.Tensor | None,
     k3 = tokens.exp() - 1.0 - tokens
     out = {**_quantiles("mismatch/token_log_ratio", tokens),
            **_quantiles("mismatch/seq_log_ratio", engine),
-           "mismatch/k3_kl": float(k3.mean()) if k3.numel() else 0.0}
+           "mismatch/k3_kl": float(k3.mean()) if k3.numel() else math.nan}
     if after is None:
         return out
     start = old if before is None else before
     drift = dist.gather(_per_seq(after.double() - start.double(), on).cpu())[0]
     out.update(_quantiles("drift/seq_log_ratio", drift))
     e, d = float(engine.abs().sum()), float(drift.abs().sum())
-    out["drift/engine_share"] = e / (e + d) if e + d > 0 else 0.0
+    out["drift/engine_share"] = (math.nan if drift.numel() == 0 else
+                                 e / (e + d) if e + d > 0 else 0.0)
     return out

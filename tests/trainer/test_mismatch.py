@@ -61,6 +61,36 @@ def test_mismatch_metrics_match_a_plain_reference():
     assert m2["mismatch/seq_log_ratio_abs_max"] == m["mismatch/seq_log_ratio_abs_max"]
 
 
+def test_mismatch_quantiles_take_more_than_2_to_the_24_tokens():
+    """A large step's global batch holds more response tokens than ``torch.quantile`` takes
+    (2**24: it raised "quantile() input tensor is too large" after the update, e.g. at 1024
+    responses of 16k tokens); the quantiles equal ``torch.quantile``'s where it runs."""
+    from gspo.trainer.mismatch import _quantiles
+
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 2, 3, 100, 1001):
+        x = torch.randn(n, generator=g, dtype=torch.float64)
+        want = torch.quantile(x.abs(), torch.tensor([0.5, 0.99], dtype=torch.float64)).tolist()
+        q = _quantiles("m", x)
+        assert [q["m_abs_p50"], q["m_abs_p99"]] == want
+    values = torch.zeros(2**24 + 1, dtype=torch.float64)
+    values[-3:] = torch.tensor([-1.0, 2.0, 3.0], dtype=torch.float64)
+    q = _quantiles("mismatch/token_log_ratio", values)
+    assert q["mismatch/token_log_ratio_abs_p50"] == 0.0
+    assert q["mismatch/token_log_ratio_abs_p99"] == 0.0
+    assert q["mismatch/token_log_ratio_abs_max"] == 3.0
+
+
+def test_mismatch_metrics_without_a_trained_token_are_nan_not_zero():
+    """rollout.mask_truncated with every response truncated: no token to measure. The metrics
+    are NaN (``null`` in metrics.jsonl, as train/entropy; step means skip them), not 0, which
+    read as a bf16 engine without mismatch and an update that moved nothing."""
+    rollout = torch.full((2, 3), -1.0)
+    old, after = rollout + 0.01, rollout + 0.2
+    m = mismatch_metrics(rollout, old, after, torch.zeros(2, 3), Dist())
+    assert m and all(math.isnan(v) for v in m.values()), m
+
+
 def _cpu_vendor() -> str:
     """The CPU's vendor string (``GenuineIntel``, ``AuthenticAMD``) from /proc/cpuinfo, else
     ``platform.processor()``."""
