@@ -125,6 +125,15 @@ def test_correct_wrong_and_partial_programs():
     assert rewards == [1.0, pytest.approx(1 / 3), 0.0, 0.5]
 
 
+def test_many_failing_tests_keep_partial_credit():
+    """The sandbox's own reports of failing tests must not use up the program's output budget:
+    a silent program that fails 500 of 1000 tests scores 0.5, not ``output_limit`` (0)."""
+    program = "def f(x):\n    return 2 * x if x % 2 == 0 else 0\n"
+    r = run_python(program, [f"assert f({i}) == {2 * i}" for i in range(1000)])
+    assert (r.status, r.n_passed, r.fraction) == ("failed", 500, 0.5), r.status
+    assert "test 1 failed" in r.stderr_tail and "not reported" in r.stderr_tail
+
+
 def test_program_errors_score_zero_and_reward_never_raises():
     assert run_python("def f(:\n", TRIVIAL).status == "error"  # syntax error
     r = run_python("raise ValueError('boom')", TRIVIAL)
@@ -680,3 +689,48 @@ def test_monkeypatching_the_hook_helpers_does_not_help(tmp_path):
     r = run_python("import pathlib\npathlib.Path('a.txt').write_text('x')",
                    ["import pathlib\nassert pathlib.Path('a.txt').read_text() == 'x'"])
     assert r.passed
+
+
+def test_directory_descriptors_do_not_bypass_the_path_checks():
+    """``os.open``'s audit event does not show ``dir_fd``: a relative path resolved against a
+    directory descriptor (here the work dir's, used from a deeper cwd; or the stdlib's, which
+    the bootstrap keeps open) must not reach files the hook would refuse by name. As non-root
+    the same route read and wrote the user's own files (``~/.netrc``, ``~/.bashrc``)."""
+    program = ("import os\nwork = os.getcwd()\nn = work.count('/')\n"
+               "fd = os.open(work, os.O_RDONLY)\n"
+               "deep = '/'.join(['d'] * (n + 2))\nos.makedirs(deep)\nos.chdir(deep)\n"
+               "print(os.read(os.open('../' * n + 'etc/passwd', os.O_RDONLY, dir_fd=fd), 64))")
+    r = hostile(program)
+    assert r.status == "error" and "refused by the gspo sandbox" in r.stderr_tail, r
+    assert "root:" not in r.stdout_tail
+    # the stdlib's descriptors the program inherits: nothing may be created through them
+    program = ("import os, stat\n"
+               "for fd in range(3, 64):\n"
+               "    try:\n        is_dir = stat.S_ISDIR(os.fstat(fd).st_mode)\n"
+               "    except OSError:\n        continue\n"
+               "    if is_dir:\n"
+               "        os.open('gspo_sandbox_probe.py', os.O_WRONLY | os.O_CREAT, dir_fd=fd)\n")
+    r = hostile(program)
+    assert r.status == "error" and "refused by the gspo sandbox" in r.stderr_tail, r
+    # an absolute path still works with os.open
+    r = run_python("import os\nos.close(os.open(os.path.abspath('f'), os.O_WRONLY | os.O_CREAT))",
+                   ["import os\nassert os.path.exists('f')"])
+    assert r.passed, r.stderr_tail
+
+
+def test_sqlite_cannot_open_files_outside_its_directory():
+    """sqlite opens files from C: ``ATTACH``, ``VACUUM INTO`` and ``file:`` URIs show the audit
+    hook no path (or one it reads as relative). Without root the kernel protects none of the
+    user's files, so such a program created databases anywhere the user may write."""
+    target = "/dev/shm/gspo-sandbox-sqlite-probe.db"  # visible to an unprivileged parent too
+    programs = {
+        "attach": f"import sqlite3\nc = sqlite3.connect(':memory:')\n"
+                  f"c.execute(\"ATTACH DATABASE '{target}' AS x\")\n"
+                  "c.execute('create table x.t(a)')\nc.commit()",
+        "uri": f"import sqlite3\nc = sqlite3.connect('file:{target}', uri=True)\n"
+               "c.execute('create table t(a)')\nc.commit()",
+    }
+    for name, program in programs.items():
+        r = hostile(program)
+        assert r.status == "error" and "refused by the gspo sandbox" in r.stderr_tail, (name, r)
+        assert not os.path.exists(target), name

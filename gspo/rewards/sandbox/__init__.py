@@ -100,15 +100,18 @@ Layers, outermost first
    - signals to anything but itself (``os.kill``, ``os.killpg``; ``pidfd_open`` and
      ``pidfd_send_signal``, which raise no event, are stubbed);
    - native code: importing ``ctypes``/``_ctypes``, the ``_test*``/``_xx*`` modules,
-     sub-interpreters (they would run without the hook), ``readline``/``dbm``/shared-memory
-     modules (C-level file access), every ``ctypes.*`` event, sqlite extension loading,
+     sub-interpreters (they would run without the hook), ``readline``/``dbm``/``sqlite3``/
+     shared-memory modules (C-level file access: sqlite's ``ATTACH``, ``VACUUM INTO`` and
+     ``file:`` URIs open paths that no audit event shows), every ``ctypes.*`` event,
      ``os.memfd_create`` (stubbed); constructing code objects (``code.__new__``/``replace``,
      except ``types.coroutine``'s flag change), so no hand-made bytecode;
    - writing, creating, deleting, renaming, truncating, chmod-ing outside the working
      directory (paths are resolved; relative paths may not contain ``..``; ``dir_fd``
      variants, ``os.fwalk``, symlink creation and opening directories outside the work dir are
-     refused), reading outside the stdlib, the work dir and a few harmless files
-     (``/dev/urandom``, zoneinfo...), and all of ``/proc`` (so ``/proc/self/mem``);
+     refused, and so is ``os.open`` of a relative path, since its audit event does not show
+     ``dir_fd``: give it an absolute path), reading outside the stdlib, the work dir and a
+     few harmless files (``/dev/urandom``, zoneinfo...), and all of ``/proc`` (so
+     ``/proc/self/mem``);
    - frame and object introspection (``sys._getframe``, ``tb_frame``, ``gi_frame``,
      ``sys.settrace``/``setprofile``, ``gc.get_objects``/``get_referrers``...), and Python-level
      signal handlers (they receive the current frame): see "Faking a pass" below.
