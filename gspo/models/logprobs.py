@@ -18,19 +18,34 @@ from gspo.models.lean_forward import key_bias, lean_hidden
 from gspo.models.onednn import linear as onednn_linear
 from gspo.models.onednn import mm
 
-# Config attributes of heads that do more than a linear layer; those models take the slow path.
-_HEAD_EXTRAS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier")
+# Config attributes of heads that do more than a linear layer; those models take the slow path:
+# Gemma 2/3 and Inkling 2 (soft-capping), Cohere (logit_scale), Granite and MiniCPM3
+# (logits_scaling), Falcon-H1 (lm_head_multiplier), Inkling (logits_mup_width_multiplier),
+# RecurrentGemma (logits_soft_cap).
+_HEAD_EXTRAS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier",
+                "lm_head_multiplier", "logits_mup_width_multiplier", "logits_soft_cap")
 
 
 def _split(model: Any) -> tuple[Any, Any] | None:
     """(backbone, head) when logits are exactly ``head(backbone(...))``, else None."""
     if hasattr(model, "get_base_model"):  # PEFT wrapper: the transformers model inside
         model = model.get_base_model()
-    if any(getattr(model.config, a, None) not in (None, 1, 1.0) for a in _HEAD_EXTRAS):
+    configs = (model.config, model.config.get_text_config())
+    if any(getattr(c, a, None) not in (None, 1, 1.0) for c in configs for a in _HEAD_EXTRAS):
+        return None
+    if any(getattr(c, "unpadded_vocab_size", None) not in (None, c.vocab_size)
+           for c in configs):  # logits cut to the unpadded vocabulary (Inkling)
         return None
     backbone = getattr(model, getattr(model, "base_model_prefix", "model"), None)
     head = model.get_output_embeddings()
     if backbone is None or head is None or backbone is model:
+        return None
+    # the backbone and the head are the model's only children with weights: not a head that
+    # is the last layer of a prediction head (BERT-style ``lm_head.decoder``, whose dense,
+    # activation and norm come first) or follows another module (ModernBERT's decoder)
+    weighted = [c for c in model.children() if next(c.parameters(), None) is not None]
+    if not any(c is head for c in weighted) or any(c is not head and c is not backbone
+                                                   for c in weighted):
         return None
     if not isinstance(head, torch.nn.Linear):  # e.g. a LoRA-adapted output layer, whose
         return None  # ``weight`` is its base layer's: the adapter's term would be left out

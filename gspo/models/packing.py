@@ -10,7 +10,10 @@ tests/models/test_packing.py).
 
 Same signature and outputs as :func:`gspo.models.logprobs.token_logprobs`; it falls back to it
 for models whose head is not a plain linear layer, with activation checkpointing on (which
-disables the cache), or when no prompt is shared.
+disables the cache), with a rotary embedding that adapts to the length it sees (rope types
+``dynamic`` and ``longrope``: their cos/sin depend on the largest position of each call, which
+the plain pass takes over the whole ``[B, T]`` batch and the packed passes over other spans),
+or when no prompt is shared.
 
 On the lean passes (``lean_forward``, the default) the prompts and the responses go through
 each layer together (:func:`gspo.models.lean_forward.lean_joint_hidden`): one product per
@@ -36,6 +39,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from gspo.models.decode import rope_adapts
 from gspo.models.lean_forward import key_bias, lean_hidden, lean_joint_hidden
 from gspo.models.logprobs import _split, head_logprobs, token_logprobs
 from gspo.models.moe import PackedRouting, has_routers, packed_routing
@@ -57,6 +61,16 @@ def _prefixes(input_ids: torch.Tensor,
     for row, s in enumerate(starts.tolist()):
         owner.append(seen.setdefault(tuple(ids[row][:s]), len(seen)))
     return [list(k) for k in seen], torch.tensor(owner, device=input_ids.device), starts
+
+
+def _adaptive_rope(backbone: Any) -> bool:
+    """Whether a rotary module of ``backbone`` adapts its cos/sin to the largest position of
+    each call (:func:`gspo.models.decode.rope_adapts`). The packed passes call it on the
+    prompts and the responses apart (through ``forward``) or on positions that run past the
+    batch's width (the joint pass: each row's response padding), so they would rotate with
+    other frequencies than the plain pass over ``[B, T]``."""
+    return any(isinstance(getattr(m, "rope_type", None), str) and rope_adapts(m)
+               for m in backbone.modules())
 
 
 def _routing_layout(owner: torch.Tensor, starts: torch.Tensor, width: int, src: torch.Tensor,
@@ -107,7 +121,7 @@ def shared_prefix_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: 
     has_target = target_mask.bool().any(-1)
     backbone = split[0] if split is not None else None
     if (split is None or getattr(backbone, "gradient_checkpointing", False)
-            or not bool(has_target.all())):
+            or _adaptive_rope(backbone) or not bool(has_target.all())):
         return token_logprobs(model, input_ids, attention_mask, target_mask,
                               temperature=temperature, chunk=chunk, with_entropy=with_entropy,
                               lean=lean, compiled=compiled, onednn=onednn)

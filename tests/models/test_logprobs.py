@@ -93,3 +93,54 @@ def test_fused_head_entropy_under_autograd_matches_the_no_grad_path():
     torch.testing.assert_close(ent, ent0)
     torch.testing.assert_close(lp.detach(), lp0)
     assert not ent.requires_grad and lp.requires_grad
+
+
+def _head_model(kind: str):
+    """Causal LMs whose logits are more than a linear layer on the backbone's last states."""
+    from transformers import (
+        AutoModelForCausalLM,
+        FalconH1Config,
+        ModernBertDecoderConfig,
+        RecurrentGemmaConfig,
+        RobertaConfig,
+    )
+
+    small = dict(vocab_size=97, intermediate_size=64, num_hidden_layers=2, pad_token_id=0)
+    if kind == "falcon_h1":  # logits times lm_head_multiplier
+        cfg = FalconH1Config(**small, hidden_size=64, num_attention_heads=4,
+                             num_key_value_heads=2, head_dim=16, mamba_d_ssm=64, mamba_n_heads=4,
+                             mamba_d_head=16, mamba_n_groups=1, mamba_d_state=16,
+                             mamba_chunk_size=8, lm_head_multiplier=0.25)
+    elif kind == "recurrent_gemma":  # tanh soft-cap of the logits
+        cfg = RecurrentGemmaConfig(**{**small, "num_hidden_layers": 3}, hidden_size=64,
+                                   num_attention_heads=4, num_key_value_heads=1, lru_width=64,
+                                   attention_window_size=16, logits_soft_cap=2.0)
+    elif kind == "roberta":  # output embeddings = lm_head.decoder, after dense, GELU, norm
+        cfg = RobertaConfig(**small, hidden_size=32, num_attention_heads=4, is_decoder=True)
+    else:  # modernbert_decoder: decoder(lm_head(h)), lm_head a dense + norm prediction head
+        cfg = ModernBertDecoderConfig(**small, hidden_size=32, num_attention_heads=4)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():  # weights large enough that a skipped scale or transform shows
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.mul_(3.0)
+    return model
+
+
+@pytest.mark.parametrize("kind", ["falcon_h1", "recurrent_gemma", "roberta",
+                                  "modernbert_decoder"])
+def test_heads_that_are_more_than_a_linear_layer_take_the_models_logits(kind):
+    model = _head_model(kind)
+    ids, attn, target = _batch(model.config.vocab_size)
+    with torch.no_grad():
+        lp, _ = token_logprobs(model, ids, attn, target, temperature=0.7)
+        ref = _naive(model, ids, attn, target, 0.7)
+    torch.testing.assert_close(lp, ref, rtol=0, atol=1e-5)
+
+
+def test_plain_linear_heads_keep_the_fast_path():
+    from gspo.models.logprobs import _split
+
+    for name in ("llama", "qwen3_moe", "mixtral", "qwen2_moe"):
+        assert _split(build_tiny(name)[0]) is not None, name

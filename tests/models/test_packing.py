@@ -66,6 +66,45 @@ def test_unshared_prompts_fall_back_to_the_plain_path():
     assert torch.equal(lp0, lp1)
 
 
+def _adaptive_rope_model(kind):
+    from transformers import AutoModelForCausalLM, LlamaConfig, Phi3Config
+
+    sizes = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
+    if kind == "phi3_longrope":  # Phi-3/Phi-4-mini: short factors up to 12 positions, then long
+        cfg = Phi3Config(**sizes, max_position_embeddings=64, original_max_position_embeddings=12,
+                         rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 4,
+                                       "long_factor": [3.0] * 4})
+    else:  # dynamic NTK past 8 positions
+        cfg = LlamaConfig(**sizes, max_position_embeddings=8,
+                          rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("lean", [False, True])
+@pytest.mark.parametrize("kind", ["phi3_longrope", "llama_dynamic"])
+def test_rope_that_adapts_to_the_length_takes_the_plain_path(kind, lean):
+    """Its cos/sin depend on the largest position of each call: the prompt pass (short) and the
+    response pass, or the joint pass's padded response positions (past the batch's width),
+    would rotate with other frequencies than the plain pass over [B, T]."""
+    if lean and kind == "phi3_longrope":
+        pytest.skip("the lean passes do not take Phi-3")
+    g = torch.Generator().manual_seed(0)
+    prompts, responses = [], []
+    for n, lens in ((3, (8, 8, 8)), (9, (1, 1, 2))):  # T = 11; padded positions reach 16
+        p = torch.randint(3, 250, (n,), generator=g).tolist()
+        for r in lens:
+            prompts.append(p)
+            responses.append(torch.randint(3, 250, (r,), generator=g).tolist())
+    b = pad_batch(prompts, responses, pad_id=0)
+    args = (b["input_ids"], b["attention_mask"], b["response_mask"])
+    with torch.no_grad():  # a fresh model each: the rotary module keeps what it has seen
+        lp0, _ = token_logprobs(_adaptive_rope_model(kind), *args)
+        lp1, _ = shared_prefix_logprobs(_adaptive_rope_model(kind), *args, lean=lean)
+    torch.testing.assert_close(lp1, lp0, rtol=0, atol=1e-5)
+
+
 # --- Mixture-of-Experts: routing recorded and replayed through a packed pass keeps [B*T, k] ---
 
 def _moe(family, seed=0):
