@@ -165,3 +165,45 @@ def test_an_empty_prompt_is_refused():
     with pytest.raises(ValueError, match="prompt 1 has no tokens"):
         generate(model, [prompts[0], []], group_size=2, eos=[1], pad_id=0,
                  params=SamplingParams(max_new_tokens=2, temperature=1.0))
+
+
+def test_rotary_embeddings_that_adapt_to_the_length_are_the_documented_engine_mismatch():
+    """docs/corrections.md ("Rotary embeddings that adapt to the length"): the fp32 sampler's
+    log-probs equal the trainer's recompute with the default rope, but not with ``longrope`` /
+    ``dynamic``, whose frequencies follow each call's length (the prefill's prompt keys keep
+    the short ones). If this starts to fail on the adaptive cases, the gap is closed: update
+    the docs."""
+    import warnings
+
+    from transformers import AutoModelForCausalLM, LlamaConfig, Phi3Config
+
+    from gspo.models.logprobs import token_logprobs
+    from gspo.rollout import SamplingParams, generate, pad_batch
+
+    sizes = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
+    configs = {
+        "phi3_longrope": Phi3Config(**sizes, max_position_embeddings=64,
+                                    original_max_position_embeddings=12,
+                                    rope_scaling={"rope_type": "longrope",
+                                                  "short_factor": [1.0] * 4,
+                                                  "long_factor": [3.0] * 4}),
+        "llama_dynamic": LlamaConfig(**sizes, max_position_embeddings=8,
+                                     rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
+        "llama_default": LlamaConfig(**sizes)}
+    gap = {}
+    for name, cfg in configs.items():
+        torch.manual_seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        roll = generate(model, [[5, 6, 7, 8, 9], [10, 11, 12]], group_size=2,
+                        params=SamplingParams(16, 1.0), eos=[1], pad_id=0,
+                        generator=torch.Generator().manual_seed(0))
+        b = pad_batch(roll.prompt_ids, roll.response_ids, 0, roll.logprobs)
+        with torch.no_grad():
+            lp, _ = token_logprobs(model, b["input_ids"], b["attention_mask"],
+                                   b["response_mask"])
+        gap[name] = float(((lp - b["old_logprobs"]) * b["response_mask"]).abs().max())
+    assert gap["llama_default"] < 1e-5, gap
+    assert gap["phi3_longrope"] > 1e-4 and gap["llama_dynamic"] > 1e-5, gap
