@@ -58,7 +58,7 @@ import torch.multiprocessing as mp
 
 from gspo.models.lean_forward import at_layer_boundaries
 from gspo.models.lora import is_peft
-from gspo.models.moe import capture_routing
+from gspo.models.moe import capture_routing, merge_rollout_routing, replay_routing
 from gspo.models.twin import meta_twin
 from gspo.rollout.batch import Rollout, join_routing, pad_batch, share
 from gspo.rollout.engine import EngineOptions, build_engine, engine_capabilities
@@ -234,13 +234,17 @@ class Request:
 class Recompute:
     """The trainer's log-prob pass, for the engine process: ``fn(model, ids, attention,
     response_mask, temperature=, chunk=)`` (e.g. the trainer's ``logprob_fn``). ``routing``
-    (MoE policies): also record the experts the pass chose (what R2 replays)."""
+    (MoE policies): also record the experts the pass chose (what R2 replays). ``replay``
+    (R3 with ``objective.old_logprobs=recompute``, needs ``routing``): also the log-probs of
+    the pass under the experts the update replays, the rollout's merged with the pass's own
+    (``Rollout.replayed_logprobs``, the loss's π_old), when they differ from its own."""
 
     fn: Callable[..., Any]
     temperature: float
     chunk: int
     pad_id: int
     routing: bool = False
+    replay: bool = False
 
 
 def _encode_routing(routing: list[torch.Tensor] | None) -> list[list[Any]] | None:
@@ -256,11 +260,13 @@ def _decode_routing(enc: list[list[Any]] | None) -> list[torch.Tensor] | None:
 
 def _encode(roll: Rollout, trainer_lp: list[list[float]] | None,
             trainer_routing: list[torch.Tensor] | None, version: int,
-            seconds: float, sync_s: float = 0.0) -> dict[str, Any]:
+            seconds: float, sync_s: float = 0.0, *,
+            replayed_lp: list[list[float]] | None = None) -> dict[str, Any]:
     return {"prompt_ids": roll.prompt_ids, "response_ids": roll.response_ids,
             "logprobs": [lp.tolist() for lp in roll.logprobs], "truncated": roll.truncated,
             "group_size": roll.group_size, "versions": [version] * len(roll),
-            "trainer_logprobs": trainer_lp, "routing": _encode_routing(roll.routing),
+            "trainer_logprobs": trainer_lp, "replayed_logprobs": replayed_lp,
+            "routing": _encode_routing(roll.routing),
             "trainer_routing": _encode_routing(trainer_routing), "generate_s": seconds,
             "sync_s": sync_s, "model_mask": roll.model_mask, "extras": dict(roll.extras)}
 
@@ -296,6 +302,12 @@ def merge_encoded(parts: list[dict[str, Any]]) -> dict[str, Any]:
     trainer = [p["trainer_logprobs"] for p in parts]
     out["trainer_logprobs"] = (None if any(t is None for t in trainer)
                                else [x for t in trainer for x in t])
+    # R3's replayed log-probs: a share without them (its pass's own routing was the one
+    # replayed) contributes its trainer log-probs, equal there
+    replayed = [p.get("replayed_logprobs") for p in parts]
+    out["replayed_logprobs"] = (None if all(r is None for r in replayed) else
+                                [x for r, t in zip(replayed, trainer)
+                                 for x in (r if r is not None else t)])
     masks = [p.get("model_mask") for p in parts]
     out["model_mask"] = None if any(m is None for m in masks) else [x for m in masks for x in m]
     # per-row means (multi-turn), row-weighted
@@ -311,32 +323,48 @@ def merge_encoded(parts: list[dict[str, Any]]) -> dict[str, Any]:
 def decode(d: dict[str, Any]) -> Rollout:
     """A :class:`Rollout` back from :func:`_encode`'s lists (also used for checkpoints)."""
     f32 = lambda xs: [torch.tensor(x, dtype=torch.float32) for x in xs]  # noqa: E731
-    tlp = d.get("trainer_logprobs")
+    tlp, rlp = d.get("trainer_logprobs"), d.get("replayed_logprobs")
     return Rollout(d["prompt_ids"], d["response_ids"], f32(d["logprobs"]), d["truncated"],
                    d["group_size"], _decode_routing(d.get("routing")),
                    extras=dict(d.get("extras") or {}), model_mask=d.get("model_mask"),
                    versions=d["versions"], trainer_logprobs=None if tlp is None else f32(tlp),
-                   trainer_routing=_decode_routing(d.get("trainer_routing")))
+                   trainer_routing=_decode_routing(d.get("trainer_routing")),
+                   replayed_logprobs=None if rlp is None else f32(rlp))
 
 
 @torch.no_grad()
 def trainer_pass(model: Any, roll: Rollout, rc: Recompute
-                 ) -> tuple[list[list[float]], list[torch.Tensor] | None]:
-    """The trainer's pass on ``roll`` (its response tokens' log-probs per row) and, with
+                 ) -> tuple[list[list[float]], list[torch.Tensor] | None,
+                            list[list[float]] | None]:
+    """The trainer's pass on ``roll``: its response tokens' log-probs per row; with
     ``rc.routing``, the experts it chose at every position (pad_batch layout, as the trainer's
-    own π_old pass records them)."""
+    own π_old pass records them); with ``rc.replay`` (R3), when the rollout's experts merged
+    with those (:func:`gspo.models.moe.merge_rollout_routing`: what the update replays)
+    differ from them, the log-probs of the pass again under the merged experts (the loss's
+    π_old, routed as π_θ is), else None (the first pass's are those, bit for bit)."""
     dev = next(model.parameters()).device
     padded = {k: v.to(dev) for k, v in pad_batch(roll.prompt_ids, roll.response_ids,
                                                     rc.pad_id).items()}
+
+    def logprobs() -> list[list[float]]:
+        with torch.inference_mode():
+            lp = rc.fn(model, padded["input_ids"], padded["attention_mask"],
+                       padded["response_mask"], temperature=rc.temperature, chunk=rc.chunk)[0]
+        lp = lp.cpu()
+        return [lp[i, len(p):len(p) + len(r)].tolist()
+                for i, (p, r) in enumerate(zip(roll.prompt_ids, roll.response_ids))]
+
     record = capture_routing(model) if rc.routing else contextlib.nullcontext(None)
-    with record as rec, torch.inference_mode():
-        lp = rc.fn(model, padded["input_ids"], padded["attention_mask"],
-                   padded["response_mask"], temperature=rc.temperature, chunk=rc.chunk)[0]
-    lp = lp.cpu()
-    out = []
-    for i, (p, r) in enumerate(zip(roll.prompt_ids, roll.response_ids)):
-        out.append(lp[i, len(p):len(p) + len(r)].tolist())
-    return out, (rec.take() if rec is not None else None)
+    with record as rec:
+        out = logprobs()
+    own = rec.take() if rec is not None else None
+    replayed = None
+    if rc.replay and own is not None:
+        merged, _, _ = merge_rollout_routing(roll, own)
+        if any(not torch.equal(a, b) for a, b in zip(own, merged)):
+            with replay_routing(model, merged):
+                replayed = logprobs()
+    return out, own, replayed
 
 
 def _next_request(requests: Any) -> Request | None:
@@ -468,8 +496,8 @@ def run_engine(skeleton: bytes, entries: list[_Entry], slots: list[dict[str, tor
                     else:
                         roll = engine_now.generate(req.prompts, group_size=req.group_size,
                                                    params=req.params, seeds=req.seeds)
-                    tlp, routing = (trainer_pass(models[slot], roll, recompute)
-                                    if req.recompute else (None, None))
+                    tlp, routing, replayed = (trainer_pass(models[slot], roll, recompute)
+                                              if req.recompute else (None, None, None))
                 if lending is not None:  # back to its own threads while it waits
                     lending.restore()
                     roll.extras = {**roll.extras,
@@ -479,7 +507,8 @@ def run_engine(skeleton: bytes, entries: list[_Entry], slots: list[dict[str, tor
                                        f"{req.step}")
                 put("batch", (req.key, _encode(roll, tlp, routing, req.version,
                                                 time.perf_counter() - start,
-                                                load_s + sampler.sync_s)))
+                                                load_s + sampler.sync_s,
+                                                replayed_lp=replayed)))
     except BaseException:  # the trainer raises it with this text (see AsyncEngine.take)
         put("error", traceback.format_exc())
 

@@ -38,6 +38,12 @@ class Rollout:
     # and (MoE policies) the experts that pass chose, in ``routing``'s layout: π_old's routing
     # when π_old is the behaviour policy (what R2 replays then)
     trainer_routing: list[torch.Tensor] | None = None
+    # R3 with objective.old_logprobs=recompute: per row, log π of that version by the same pass
+    # run again under the experts the update replays (``routing`` merged with
+    # ``trainer_routing``), the loss's π_old; None where that routing is the pass's own
+    # (``trainer_logprobs`` are then those log-probs). ``trainer_logprobs`` stay the pass on
+    # its own routing, for the metrics.
+    replayed_logprobs: list[torch.Tensor] | None = None
 
     def __len__(self) -> int:
         return len(self.response_ids)
@@ -58,7 +64,14 @@ class Rollout:
                        self.group_size, self._select_routing(self.routing, idx),
                        model_mask=pick(self.model_mask), versions=pick(self.versions),
                        trainer_logprobs=pick(self.trainer_logprobs),
-                       trainer_routing=self._select_routing(self.trainer_routing, idx))
+                       trainer_routing=self._select_routing(self.trainer_routing, idx),
+                       replayed_logprobs=pick(self.replayed_logprobs))
+
+    def replayed_or_trainer_logprobs(self) -> list[torch.Tensor] | None:
+        """Per row, :attr:`replayed_logprobs` where present, else :attr:`trainer_logprobs`
+        (equal there: the replayed routing was the pass's own); for joining batches."""
+        return self.replayed_logprobs if self.replayed_logprobs is not None else (
+            self.trainer_logprobs)
 
 
 def join_routing(records: list[list[torch.Tensor]], rows: list[int], *,

@@ -32,6 +32,10 @@ apart from the engine mismatch log π_engine,v − log π_trainer,v (same weight
 code) and from the policy drift of the update itself. For an MoE policy the engine process's
 pass also records the experts the behaviour policy chose (``Rollout.trainer_routing``): π_old's
 routing, which R2 replays; :func:`staleness_routing_metrics` measures how far staleness moved it.
+Under R3 the update replays the rollout's experts (merged with that pass's where the sampler saw
+nothing): with ``recompute`` the pass then runs again under those experts where they differ from
+its own (``Rollout.replayed_logprobs``), and that is the loss's π_old, routed as π_θ is (the ratio
+is 1 at θ = θ_old); ``trainer_logprobs`` stay the pass on its own experts, for the metrics.
 """
 
 from __future__ import annotations
@@ -119,13 +123,16 @@ class AsyncRollout:
                  check: Callable[[int], bool], engine: str, opts: EngineOptions, threads: int,
                  logprob_fn: Callable[..., Any], temperature: float, chunk: int,
                  pad_id: int, device: torch.device | None = None,
-                 routing: bool = False, addresses: tuple[str, ...] = (),
+                 routing: bool = False, replay: bool = False,
+                 addresses: tuple[str, ...] = (),
                  engines: int = 1, turns: Any = None, lend_threads: bool = False) -> None:
         """``draw(step)``: the step's prompts from the task (called once per step, in order);
         ``check(step)``: whether the engine process also runs the trainer's log-prob pass on
         that step's batch (every step for ``old_logprobs=recompute``). ``device``: where the
         engine process samples (the trainer's device; default the CPU). ``routing`` (MoE
         policies): that pass also records its expert choices (``Rollout.trainer_routing``).
+        ``replay`` (R3 with ``objective.old_logprobs=recompute``): and runs again under the
+        experts the update replays where they differ (``Rollout.replayed_logprobs``).
         ``engines``: how many engines sample this process's batches, each a share of the
         prompts. ``addresses`` (one per engine): meet engines started with
         ``gspo engine ADDRESS`` there (:class:`gspo.rollout.remote_engine.RemoteEngine`)
@@ -137,7 +144,7 @@ class AsyncRollout:
         self.engine_name, self.opts, self.threads = engine, opts, threads
         self.addresses, self.n_engines, self.turns = addresses, engines, turns
         self.device = device if device is not None else torch.device("cpu")
-        self.recompute = Recompute(logprob_fn, temperature, chunk, pad_id, routing)
+        self.recompute = Recompute(logprob_fn, temperature, chunk, pad_id, routing, replay)
         self.engine: AsyncEngine | RemoteEngine | _Engines | None = None
         self.submitted = 0  # batches 0 … submitted-1 have been drawn and asked for
         self.floor = 0  # the oldest version the engine was given (resume: the checkpoint's)

@@ -50,7 +50,8 @@ def signal_groups(rewards: Tensor, group_size: int) -> Tensor:
 def concat_rollouts(rolls: list[Rollout]) -> Rollout:
     """The rows of several rollouts in order (same group size), with what each row carries: the
     multi-turn observation mask, the experts the engine routed to (R3), and from the async
-    pipeline its policy version and the trainer's log-probs (and experts) on that version. A
+    pipeline its policy version and the trainer's log-probs (and experts, and R3's replayed
+    log-probs: a batch without them contributes its trainer log-probs) on that version. A
     multi-turn batch's episode metrics (``rollout/turns_mean`` etc., means over a draw's rows)
     are recomputed for the joined rows from their masks (:func:`episode_metrics`)."""
     def present(name: str) -> list[Any] | None:
@@ -70,6 +71,15 @@ def concat_rollouts(rolls: list[Rollout]) -> Rollout:
         return None if per is None else join_routing(per, [len(r) for r in rolls],
                                                       complete=name == "trainer_routing")
 
+    def replayed() -> list[Tensor] | None:  # absent from a batch: its trainer_logprobs
+        if all(r.replayed_logprobs is None for r in rolls):
+            return None
+        per = [r.replayed_or_trainer_logprobs() for r in rolls]
+        if any(x is None for x in per):
+            raise ValueError("concat_rollouts: some rollouts have replayed_logprobs and some "
+                             "have no trainer_logprobs")
+        return [row for x in per for row in x]
+
     mask = rows("model_mask")
     return Rollout([p for r in rolls for p in r.prompt_ids],
                    [y for r in rolls for y in r.response_ids],
@@ -79,7 +89,8 @@ def concat_rollouts(rolls: list[Rollout]) -> Rollout:
                    extras={} if mask is None else episode_metrics(mask),
                    model_mask=mask, versions=rows("versions"),
                    trainer_logprobs=rows("trainer_logprobs"),
-                   trainer_routing=routing("trainer_routing"))
+                   trainer_routing=routing("trainer_routing"),
+                   replayed_logprobs=replayed())
 
 
 @dataclass

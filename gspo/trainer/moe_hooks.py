@@ -31,9 +31,9 @@ from gspo.config import ConfigError, MoEConfig
 from gspo.models.moe import (
     capture_routing,
     expert_change,
-    expert_set_changed,
     is_moe,
     load_balancing_loss,
+    merge_rollout_routing,
     moe_adapter,
     replay_routing,
     router_modules,
@@ -304,32 +304,3 @@ def aux_loss(model: Any, live_logits: list[torch.Tensor], mask: torch.Tensor) ->
     top_k = getattr(cfg, "num_experts_per_tok", None) or getattr(cfg, "top_k", 2)
     n_experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
     return load_balancing_loss(live_logits, top_k, n_experts, mask, family=adapter.model_type)
-
-
-def merge_rollout_routing(roll: Any, recomputed: list[torch.Tensor]
-                          ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
-    """R3: per MoE layer, the rollout's expert choices where it saw the token, else π_old's
-    recompute (positions it never fed: padding and each row's final token); and the counts for
-    ``moe/rollout_routing_mismatch``: (response token, layer) pairs the rollout saw whose expert
-    set differs from the recompute (the train/inference routing gap R3 removes), and how many
-    it saw. ``roll.routing`` and ``recomputed`` share the padded [N*T, k] layout of
-    :func:`gspo.rollout.pad_batch`, with -1 where the rollout saw nothing."""
-    if roll.routing is None:
-        raise RuntimeError("moe.routing_replay=r3: the rollout engine returned no routing")
-    shapes = [tuple(r.shape) for r in roll.routing], [tuple(r.shape) for r in recomputed]
-    if shapes[0] != shapes[1]:
-        raise RuntimeError(f"moe.routing_replay=r3: rollout routing shapes {shapes[0]} do "
-                           f"not match the trainer's padded batch {shapes[1]}")
-    response = torch.zeros(recomputed[0].shape[0], dtype=torch.bool)
-    t = recomputed[0].shape[0] // max(len(roll), 1)
-    for i, (p, r) in enumerate(zip(roll.prompt_ids, roll.response_ids)):
-        response[i * t + len(p): i * t + len(p) + len(r)] = True
-    merged, changed, seen = [], torch.zeros((), dtype=torch.float64), 0
-    for rolled, old in zip(roll.routing, recomputed):
-        rolled = rolled.to(old.device)
-        known = (rolled >= 0).all(-1)
-        merged.append(torch.where(known[:, None], rolled, old))
-        sel = known & response.to(old.device)
-        changed += expert_set_changed(old[sel], rolled[sel]).sum().double().cpu()
-        seen += int(sel.sum())
-    return merged, changed, torch.tensor(float(seen), dtype=torch.float64)

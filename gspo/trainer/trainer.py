@@ -433,6 +433,8 @@ class Trainer:
             logprob_fn=self.logprob_fn,
             temperature=cfg.rollout.temperature, chunk=cfg.logprob_chunk, pad_id=self.pad_id,
             device=self.dist.device, routing=self.hooks.active,
+            replay=(self.hooks.records_rollout_routing
+                    and cfg.objective.old_logprobs == "recompute"),
             addresses=tuple(mine),
             engines=n, turns=self.turns, lend_threads=cfg.rollout.async_lend_threads)
 
@@ -801,12 +803,17 @@ class Trainer:
             if forced is not None:
                 pi_old = self.old_logprobs(padded, replay=forced)[0]
         if self.async_rollout is not None:  # the behaviour policy's weights are older
+            def padded_rows(rows: list[torch.Tensor]) -> torch.Tensor:
+                return pad_batch(roll.prompt_ids, roll.response_ids, self.pad_id,
+                                 rows)["old_logprobs"].to(self.dist.device)
+
             if roll.trainer_logprobs is not None:
-                old.behaviour = pad_batch(roll.prompt_ids, roll.response_ids, self.pad_id,
-                                          roll.trainer_logprobs)["old_logprobs"].to(
-                                              self.dist.device)
+                old.behaviour = padded_rows(roll.trainer_logprobs)
             if o == "recompute":  # π_old is the behaviour policy (see async_rollout)
-                pi_old = old.behaviour
+                # R3: that pass rerun under the experts the update replays, where they differ
+                # from its own (old.behaviour stays the pass on its own, for the metrics)
+                pi_old = (old.behaviour if roll.replayed_logprobs is None
+                          else padded_rows(roll.replayed_logprobs))
         behaviour = old.rollout if self.objective.correction is not None else None
         mask = padded["response_mask"]
         if self.cfg.rollout.mask_truncated:  # zero loss weight; advantages are computed already
@@ -992,7 +999,8 @@ class Trainer:
         this step's weights, so the pass the engine process runs on the pipeline's rows
         (:func:`gspo.rollout.async_engine.trainer_pass`), run here. On the rows kept (their
         ``trainer_logprobs`` None), or with ``whole`` on the whole draw, also recording its
-        experts (an MoE policy: they join the batch in the draw's own layout)."""
+        experts (an MoE policy: they join the batch in the draw's own layout) and under R3
+        its log-probs under the replayed experts (``Rollout.replayed_logprobs``)."""
         was_training = self.model.training
         self.model.eval()
         # FSDP2: the ranks' passes differ in rows, so no per-layer all-gathers (every rank
@@ -1000,15 +1008,17 @@ class Trainer:
         try:
             with self.dist.full_weights(self.model):
                 if whole:
-                    rows, roll.trainer_routing = trainer_pass(self.model, roll,
-                                                              self.async_rollout.recompute)
+                    rows, roll.trainer_routing, replayed = trainer_pass(
+                        self.model, roll, self.async_rollout.recompute)
                     roll.trainer_logprobs = [torch.tensor(lp, dtype=torch.float32) for lp in rows]
+                    roll.replayed_logprobs = (None if replayed is None else [
+                        torch.tensor(lp, dtype=torch.float32) for lp in replayed])
                     return
                 lps = roll.trainer_logprobs
                 todo = [] if lps is None else [i for i, lp in enumerate(lps) if lp is None]
                 if todo:
-                    rows, _ = trainer_pass(self.model, roll.select(todo),
-                                           self.async_rollout.recompute)
+                    rows, _, _ = trainer_pass(self.model, roll.select(todo),
+                                              self.async_rollout.recompute)
                     for i, lp in zip(todo, rows):
                         lps[i] = torch.tensor(lp, dtype=torch.float32)
         finally:

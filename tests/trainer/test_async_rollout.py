@@ -469,6 +469,55 @@ def test_moe_routing_travels_from_the_engine_and_through_checkpoints():
     assert dense.trainer_routing is None
 
 
+def test_the_behaviour_pass_reruns_under_the_rollouts_experts_for_r3():
+    """R3 with ``old_logprobs=recompute``: the engine process's pass on the behaviour weights
+    records its own experts and log-probs (the metrics'), and where the rollout's experts
+    merged with its own (what the update replays) differ from them, its log-probs under the
+    merged experts, the loss's π_old: exactly a pass under ``replay_routing(merged)``. Where
+    they do not differ, no second pass. They travel through the transport and row selection."""
+    from gspo.models.logprobs import token_logprobs
+    from gspo.models.moe import merge_rollout_routing, replay_routing
+    from gspo.rollout import pad_batch
+    from gspo.rollout.async_engine import Recompute, trainer_pass
+
+    model, tok = load_model("tiny:qwen3_moe", seed=0)
+    model.eval()
+    eng = build_engine("hf", model, tok, EngineOptions(record_routing=True))
+    roll = eng.generate([[1, 2, 3], [4, 5]], group_size=2, params=SamplingParams(4, 1.0),
+                        seeds=[1, 2])
+    rc = Recompute(token_logprobs, 1.0, 8, 0, routing=True, replay=True)
+    lp, own, replayed = trainer_pass(model, roll, rc)
+    assert replayed is None  # fp32 HF sampler: it routed as the pass does
+    assert merge_rollout_routing(roll, own)[1] == 0
+    roll.routing = [torch.where(r >= 0, (r + 1) % 8, r) for r in roll.routing]  # shifted
+    lp2, own2, replayed = trainer_pass(model, roll, rc)
+    assert lp2 == lp and all(torch.equal(a, b) for a, b in zip(own, own2))  # its own routing
+    merged = merge_rollout_routing(roll, own)[0]
+    batch = pad_batch(roll.prompt_ids, roll.response_ids, 0)
+    with replay_routing(model, merged), torch.no_grad():
+        want = token_logprobs(model, batch["input_ids"], batch["attention_mask"],
+                              batch["response_mask"], chunk=8)[0]
+    assert replayed == [want[i, len(p):len(p) + len(r)].tolist()
+                        for i, (p, r) in enumerate(zip(roll.prompt_ids, roll.response_ids))]
+    assert replayed != lp
+    assert trainer_pass(model, roll, Recompute(token_logprobs, 1.0, 8, 0, routing=True))[2] is None
+    back = decode(json.loads(json.dumps(_encode(roll, lp, own, 0, 0.0, replayed_lp=replayed))))
+    assert [x.tolist() for x in back.replayed_logprobs] == replayed
+    assert [x.tolist() for x in back.select([2]).replayed_logprobs] == [replayed[2]]
+    assert decode(_encode(roll, lp, own, 0, 0.0)).replayed_logprobs is None
+    # joined with a batch whose pass needed no rerun: that one's rows are its trainer's
+    from gspo.rollout.async_engine import merge_encoded
+    from gspo.trainer.dynamic_sampling import concat_rollouts
+
+    plain = _encode(roll, lp, own, 0, 0.0)
+    joined = merge_encoded([_encode(roll, lp, own, 0, 0.0, replayed_lp=replayed), plain])
+    assert joined["replayed_logprobs"] == replayed + lp
+    assert merge_encoded([plain, plain])["replayed_logprobs"] is None
+    both = concat_rollouts([back, decode(plain)])
+    assert [x.tolist() for x in both.replayed_logprobs] == replayed + lp
+    assert concat_rollouts([decode(plain)] * 2).replayed_logprobs is None
+
+
 def test_staleness_routing_metrics_on_a_hand_case():
     mask = torch.tensor([[0.0, 1.0, 1.0], [0.0, 1.0, 0.0]])  # 3 response tokens
     behaviour = [torch.tensor([[0, 1], [0, 1], [2, 3], [0, 1], [4, 5], [6, 7]])]
@@ -537,6 +586,43 @@ def test_a_lora_async_run_resumes_bit_for_bit(tmp_path):
     crashed = _cut_after_step_2(whole.run_dir, tmp_path / "crashed")
     resumed = _trained(_cfg(tmp_path, "crashed", *extra, f"resume={crashed}"))
     _assert_same_run(whole, resumed, step=3)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_r3_async_pi_old_routes_like_the_update_so_the_ratio_is_one_at_theta_old(
+        tmp_path, monkeypatch, dynamic):
+    """R3 at k = 1 with ``old_logprobs=recompute``, the engine process sampling from a bf16
+    copy: the rollout routes some positions (prompt tokens here) to other experts than the
+    behaviour pass in fp32 on the same weights. The update replays the rollout's experts, so
+    the loss's π_old must be that pass under the same experts (the engine process reruns it:
+    ``Rollout.replayed_logprobs``), else the ratio is not 1 at θ = θ_old (lr 0: every version
+    holds the same weights, so the staleness changes nothing; it was 0.25 clipped at step 0).
+    The engine mismatch keeps measuring the pass on its own experts. ``dynamic``: with extra
+    draws every step, sampled and passed in the trainer's process and joined with the
+    pipeline's rows (their token log-ratio was up to 0.011)."""
+    replayed = []
+    real = Trainer.update_batch
+
+    def update_batch(self, roll, adv, plan):
+        replayed.append(getattr(roll, "replayed_logprobs", None) is not None)
+        return real(self, roll, adv, plan)
+
+    monkeypatch.setattr(Trainer, "update_batch", update_batch)
+    extra = (["rollout.dynamic_sampling=true", "objective.name=grpo", "objective.eps_low=0.2",
+              "objective.eps_high=0.27"] if dynamic else [])
+    rows = _rows(_trained(_cfg(tmp_path, "r3-bf16", "model=tiny:qwen3_moe", "optim.lr=0",
+                               "moe.routing_replay=r3", "rollout.async_steps=1",
+                               "rollout.precision=bf16", "rollout.max_new_tokens=6", *extra),
+                          reward=flat_first_group if dynamic else char_codes))
+    assert not dynamic or all(r["dynamic/extra_batches"] >= 1 for r in rows)
+    assert [r["async/staleness_max"] for r in rows] == [0, 1]
+    for r in rows:
+        assert r["objective/seq_ratio_min"] == pytest.approx(1.0, abs=1e-6)
+        assert r["objective/seq_ratio_max"] == pytest.approx(1.0, abs=1e-6)
+        assert r["objective/token_log_ratio_abs_max"] < 1e-6
+        assert r["objective/clip_frac_tokens"] == r["objective/clip_frac_seqs"] == 0.0
+        assert 0 < r["async/engine_mismatch_abs_max"] < 3e-3  # bf16 sampler vs fp32 pass
+    assert any(replayed)  # the routings differed (else this tests nothing): the pass reran
 
 
 def test_dynamic_sampling_with_an_moe_policy_joins_the_extra_draws_experts(tmp_path):

@@ -15,7 +15,8 @@ Submodules, each importing only the ones before it:
   :func:`select_sequences`, the ``[B*T, k]`` layout contract and :func:`packed_routing`
   (forwards that run the batch in several router calls, as shared-prompt packing does).
 * :mod:`~gspo.models.moe.metrics`: the expert-set comparison (:func:`kept_experts`),
-  :func:`routing_change`, :func:`expert_change` and :func:`load_balancing_loss`.
+  :func:`routing_change`, :func:`expert_change`, :func:`load_balancing_loss` and R3's
+  :func:`merge_rollout_routing` (the rollout's experts merged with a recompute's).
 
 Tiny MoE configs for tests live in :func:`gspo.models.tiny.tiny_moe_config`.
 """
@@ -34,6 +35,7 @@ from gspo.models.moe.metrics import (
     expert_set_changed,
     kept_experts,
     load_balancing_loss,
+    merge_rollout_routing,
     routing_change,
 )
 from gspo.models.moe.routing import (
@@ -62,6 +64,7 @@ __all__ = [
     "is_moe",
     "kept_experts",
     "load_balancing_loss",
+    "merge_rollout_routing",
     "moe_adapter",
     "packed_routing",
     "replay_routing",

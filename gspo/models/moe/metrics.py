@@ -3,12 +3,16 @@
 Every comparison of expert sets goes through :func:`kept_experts`: top-k indices within a row
 are distinct, so a row's expert set is unchanged exactly when all of ``old``'s experts are
 still in ``new``, and the share of ``old``'s experts that ``new`` replaced is the share not kept.
+
+:func:`merge_rollout_routing` (routing replay R3) lives here, where both its users may import
+it: the trainer's π_old pass and the async engine process's pass on the behaviour weights.
 """
 
 from __future__ import annotations
 
 import importlib
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -20,6 +24,7 @@ __all__ = [
     "expert_set_changed",
     "kept_experts",
     "load_balancing_loss",
+    "merge_rollout_routing",
     "routing_change",
 ]
 
@@ -163,3 +168,32 @@ def load_balancing_loss(
     if not isinstance(out, Tensor):
         out = torch.tensor(float(out), device=logits[0].device)
     return out
+
+
+def merge_rollout_routing(roll: Any, recomputed: list[torch.Tensor]
+                          ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """R3: per MoE layer, the rollout's expert choices where it saw the token, else π_old's
+    recompute (positions it never fed: padding and each row's final token); and the counts for
+    ``moe/rollout_routing_mismatch``: (response token, layer) pairs the rollout saw whose expert
+    set differs from the recompute (the train/inference routing gap R3 removes), and how many
+    it saw. ``roll.routing`` and ``recomputed`` share the padded [N*T, k] layout of
+    :func:`gspo.rollout.pad_batch`, with -1 where the rollout saw nothing."""
+    if roll.routing is None:
+        raise RuntimeError("moe.routing_replay=r3: the rollout engine returned no routing")
+    shapes = [tuple(r.shape) for r in roll.routing], [tuple(r.shape) for r in recomputed]
+    if shapes[0] != shapes[1]:
+        raise RuntimeError(f"moe.routing_replay=r3: rollout routing shapes {shapes[0]} do "
+                           f"not match the trainer's padded batch {shapes[1]}")
+    response = torch.zeros(recomputed[0].shape[0], dtype=torch.bool)
+    t = recomputed[0].shape[0] // max(len(roll), 1)
+    for i, (p, r) in enumerate(zip(roll.prompt_ids, roll.response_ids)):
+        response[i * t + len(p): i * t + len(p) + len(r)] = True
+    merged, changed, seen = [], torch.zeros((), dtype=torch.float64), 0
+    for rolled, old in zip(roll.routing, recomputed):
+        rolled = rolled.to(old.device)
+        known = (rolled >= 0).all(-1)
+        merged.append(torch.where(known[:, None], rolled, old))
+        sel = known & response.to(old.device)
+        changed += expert_set_changed(old[sel], rolled[sel]).sum().double().cpu()
+        seen += int(sel.sum())
+    return merged, changed, torch.tensor(float(seen), dtype=torch.float64)
