@@ -204,7 +204,8 @@ def rollout_metrics(roll: Any, batch: dict[str, torch.Tensor], entropy: torch.Te
     global batch (sums and maxima all-reduced over ``dist``; times are this rank's). Entropy
     and gap come from the π_old pass; on a step without one they are not logged. Entropy is
     a mean over the tokens of ``batch["response_mask"]``: NaN (``null`` in metrics.jsonl)
-    when it holds none (``rollout.mask_truncated`` with every response truncated).
+    when it holds none (``rollout.mask_truncated`` with every response truncated), and so is
+    the gap, then measured on no token.
     ``sampled_tokens``: the global count of response tokens sampled in ``t["rollout"]``
     (dynamic sampling's discarded draws included); default the batch's."""
     mask = batch["response_mask"]
@@ -230,7 +231,7 @@ def rollout_metrics(roll: Any, batch: dict[str, torch.Tensor], entropy: torch.Te
     }
     if not skipped:
         out.update({"train/entropy": ent / n_tok if n_tok > 0 else math.nan,
-                    "rollout/logprob_gap_abs_max": gap_max})
+                    "rollout/logprob_gap_abs_max": gap_max if n_tok > 0 else math.nan})
     return out
 
 

@@ -218,6 +218,7 @@ def test_entropy_over_no_response_tokens_is_nan_not_zero():
     out = rollout_metrics(roll, batch, entropy, torch.zeros(2), {"rollout": 1.0, "update": 1.0},
                           1, one)
     assert math.isnan(out["train/entropy"])
+    assert math.isnan(out["rollout/logprob_gap_abs_max"])  # measured on no token either
     assert Guard(GuardConfig(collapse_entropy_floor=0.1)).observe(out) is None
     mask[0, 2:] = 1.0
     out = rollout_metrics(roll, batch, entropy, torch.zeros(2), {"rollout": 1.0, "update": 1.0},
