@@ -582,14 +582,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 def check_engine_address(address: str, what: str) -> None:
     """Where a trainer and a ``gspo engine`` meet: ``tcp://HOST:PORT`` (a TCP store the
-    trainer serves) or ``file:///path`` (a file store)."""
+    trainer serves; port 0, "any free port", could not be found by the engine) or
+    ``file:///path`` (a file store; ``file://name/path`` would name the file ``/path``)."""
     url = urllib.parse.urlparse(address)
     try:
         port = url.port
     except ValueError:
         port = None
-    _check((url.scheme == "tcp" and url.hostname is not None and port is not None)
-           or (url.scheme == "file" and bool(url.path)),
+    _check((url.scheme == "tcp" and bool(url.hostname) and bool(port))
+           or (url.scheme == "file" and not url.netloc and bool(url.path)),
            f"{what} must be tcp://HOST:PORT or file:///path, got '{address}'")
 
 

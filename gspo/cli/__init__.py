@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -300,7 +301,14 @@ def cmd_engine(argv: list[str]) -> int:
     check_engine_address(ns.address, "address")
     from gspo.rollout.remote_engine import serve
 
-    serve(ns.address, device=ns.device, timeout_s=ns.timeout)  # no trainer: Unreachable
+    try:
+        serve(ns.address, device=ns.device, timeout_s=ns.timeout)  # no trainer: Unreachable
+    except KeyboardInterrupt:
+        # The engine's thread may be inside torch or gloo: exit without tearing the
+        # interpreter down under it (that aborts: "terminate called without an active
+        # exception"). The trainer's next message to this engine fails.
+        print("gspo engine: interrupted", file=sys.stderr, flush=True)
+        os._exit(130)
     return 0
 
 

@@ -75,6 +75,7 @@ from gspo.rollout.gloo_net import IFNAME, bind_source, device_at, device_towards
 TRAINER, ENGINE = 0, 1
 STOP = -1  # a weights header that ends the engine's receiving thread
 TRAINER_BINDS = "trainer_binds"  # store key: the address the trainer's gloo device binds to
+JOINED = "joined_"  # store keys (a file store): JOINED + rank, once that end is there
 
 
 def _broadcast(group: Any, t: torch.Tensor) -> None:
@@ -123,7 +124,9 @@ def _store(address: str, rank: int, timeout: datetime.timedelta) -> Any:
     check_engine_address(address, "address")
     url = urllib.parse.urlparse(address)
     if url.scheme == "file":
-        return dist.FileStore(url.path, 2)
+        store = dist.FileStore(url.path, 2)
+        store.set_timeout(timeout)  # its own default is 300 s, whatever the caller's
+        return store
     return dist.TCPStore(url.hostname, url.port, 2, is_master=rank == TRAINER, timeout=timeout,
                          wait_for_workers=True)
 
@@ -144,9 +147,17 @@ def _join(address: str, rank: int, timeout_s: float) -> tuple[Any, Any]:
     bound where the other end reaches them (:func:`_device`)."""
     timeout = datetime.timedelta(seconds=timeout_s)
     url = urllib.parse.urlparse(address)
+    start = time.monotonic()
     try:
         store = _store(address, rank, timeout)
+        if url.scheme == "file":  # a file store waits for no one: each end waits for the other
+            store.set(f"{JOINED}{rank}", "1")
+            store.wait([f"{JOINED}{1 - rank}"])
     except (dist.DistError, RuntimeError) as e:
+        if time.monotonic() - start < timeout_s:  # it failed, rather than waited in vain
+            raise Unreachable(f"{address}: could not "
+                              f"{'listen there' if rank == TRAINER else 'reach the trainer'} "
+                              f"({_first(e)})") from None
         other = ("no engine joined (start one with `gspo engine ADDRESS`)" if rank == TRAINER
                  else "no trainer to join (it listens once it starts with "
                  "rollout.async_address=ADDRESS)")
@@ -312,11 +323,22 @@ class _Slots:
         self.entries, self.changing = entries, changing
         self.small = packed_buffers(entries, changing)
         self.versions = [-1] * n
+        self.error: BaseException | None = None  # why the receiving thread stopped early
         self.cond = threading.Condition()
         self.thread = threading.Thread(target=self._receive, name="gspo-weights", daemon=True)
         self.thread.start()
 
     def _receive(self) -> None:
+        """Receive versions until the trainer's STOP; a failed broadcast (the trainer gone)
+        is kept for :meth:`version`, which then stops waiting for versions that cannot come."""
+        try:
+            self._receive_versions()
+        except BaseException as e:
+            with self.cond:
+                self.error = e
+                self.cond.notify_all()
+
+    def _receive_versions(self) -> None:
         header = torch.zeros(2, dtype=torch.long)
         while True:
             _broadcast(self.group, header)
@@ -340,17 +362,42 @@ class _Slots:
 
     def version(self, slot: int, wanted: int | None) -> int:
         """The version ``slot`` holds, once it holds ``wanted`` (or after ``timeout_s``); now,
-        with ``wanted`` None."""
+        with ``wanted`` None. Raises at once if receiving failed while it waits (the trainer
+        died while it sent ``wanted``): no version arrives any more."""
         with self.cond:
             if wanted is not None:
-                self.cond.wait_for(lambda: self.versions[slot] == wanted,
-                                   timeout=self.timeout_s)
+                self.cond.wait_for(lambda: self.versions[slot] == wanted
+                                   or self.error is not None, timeout=self.timeout_s)
+                if self.versions[slot] != wanted and self.error is not None:
+                    raise RuntimeError(f"receiving weights from the trainer failed: "
+                                       f"{_first(self.error)}") from self.error
             return self.versions[slot]
 
 
 def serve(address: str, *, device: str = "cpu", timeout_s: float = 1800.0) -> None:
     """The engine's side (rank 1, ``gspo engine ADDRESS``): join the trainer at ``address``,
-    sample the batches it asks for until it closes, then return."""
+    sample the batches it asks for until it closes, then return.
+
+    The engine runs in a thread of its own while this (the main) thread waits for it: the
+    store's and gloo's waits (for a trainer to join, for its next request) run in C++ and do
+    not see a Ctrl-C; the main thread's wait does, and raises KeyboardInterrupt at once
+    (the process then exits, and the trainer's next message to it fails)."""
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            _serve(address, device, timeout_s)
+        except BaseException as e:  # raised in the caller's thread
+            failure.append(e)
+
+    thread = threading.Thread(target=run, name="gspo-engine", daemon=True)
+    thread.start()
+    thread.join()
+    if failure:
+        raise failure[0]
+
+
+def _serve(address: str, device: str, timeout_s: float) -> None:
     group, weights = _join(address, ENGINE, timeout_s)
     messages = _Messages(group, TRAINER)
     setup = messages.recv()
