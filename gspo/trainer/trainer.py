@@ -1073,12 +1073,23 @@ class Trainer:
             self.save_checkpoint()  # step 0: resumable, and a rollback target, from the start
         bar = tqdm(total=cfg.steps, initial=self.step, desc="train",
                    disable=not cfg.progress or not self.dist.is_main, dynamic_ncols=True)
-        while self.step < cfg.steps and stop.requested is None:
+        stopping = self._stopping(stop)
+        while self.step < cfg.steps and not stopping:
             self._step(bar)
+            stopping = self._stopping(stop)
         bar.close()
-        if stop.requested is not None:
+        if stopping:
             return self._interrupted()
         return self._finish()
+
+    def _stopping(self, stop: GracefulStop) -> bool:
+        """Whether a SIGINT/SIGTERM reached any process: under torchrun every rank takes the
+        same branch (a signal may reach only one rank, or the ranks at different points of a
+        step; a rank that stopped alone would leave the others waiting in a collective)."""
+        asked = stop.requested is not None
+        if not self.dist.enabled:
+            return asked
+        return bool(self.dist.all_reduce(torch.tensor([float(asked)]), "max").item())
 
     def _step(self, bar: Any) -> None:
         """One step of the loop: train_step, then the guard, logging and checkpointing."""

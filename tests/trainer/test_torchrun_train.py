@@ -7,6 +7,7 @@ Slow lane: each run starts 2 trainer processes (and with async 2 engine processe
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -39,6 +40,21 @@ def char_codes(prompts, completions, **_):
 def half_flat(prompts, completions, **_):
     return [float(sum(map(ord, c)) % 97) if sum(map(ord, p)) % 2 else 1.0
             for p, c in zip(prompts, completions)]
+
+
+CALLS = [0]
+
+
+def sigterm_rank1_in_step2(prompts, completions, **_):  # rank 1 alone gets a SIGTERM
+    import os
+    import signal
+    CALLS[0] += 1
+    if CALLS[0] == 1:  # the test kills the workers by pid if they hang
+        with open(f"worker_{os.environ['RANK']}.pid", "w") as fh:
+            fh.write(str(os.getpid()))
+    if os.environ.get("RANK") == "1" and CALLS[0] == 2:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return char_codes(prompts, completions)
 
 
 class Scripted:  # answers every turn, at a length that differs between prompts
@@ -304,3 +320,38 @@ def test_fsdp2_checkpoints_leave_adamw_untouched(tmp_path):
     assert _max_diff(_weights(two, 1), _weights(two, 0)) > 1e-4  # the step moved them
     _, resumed = _killed_and_resumed(tmp_path, two, 0, *extra)
     assert _max_diff(_weights(resumed, 1), _weights(two, 1)) == 0.0
+
+
+@pytest.mark.slow
+def test_a_signal_that_reaches_one_rank_stops_every_rank_after_the_step(tmp_path):
+    """SIGTERM reaches rank 1 only (a signal reaches the ranks at different points of a step
+    alike): every rank finishes that step, checkpoints it and exits 0. Each rank used to
+    decide alone: rank 1 went to its checkpoint's collectives while rank 0 began the next
+    step, and both waited for each other until the process group's timeout (30 min)."""
+    import signal
+    import subprocess
+
+    env = _env(tmp_path, WORLD)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD),
+           "--standalone", "-m", "gspo", "train", *COMMON, f"output_dir={tmp_path}", "steps=5",
+           "save_every=0", "reward.functions=[async_reward:sigterm_rank1_in_step2]"]
+    with open(tmp_path / "out.txt", "w") as out:  # files: a hung worker holds no pipe open
+        proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            code = proc.wait(timeout=180)
+        except subprocess.TimeoutExpired:
+            code = None
+        finally:
+            if proc.poll() is None:  # torchrun's workers run in sessions of their own
+                for pid in tmp_path.glob("worker_*.pid"):
+                    with contextlib.suppress(ProcessLookupError, ValueError):
+                        os.kill(int(pid.read_text()), signal.SIGKILL)
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    text = (tmp_path / "out.txt").read_text()
+    assert code == 0, text[-3000:]
+    assert "interrupted at step 2" in text
+    run = tmp_path / "r"
+    assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_000002"]
+    assert [r["step"] for r in _rows(run)] == [1, 2]

@@ -8,6 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from gspo.config import ConfigError, load_config
+from gspo.data import format_prompt
 from gspo.models.lean_forward import compile_unsupported
 from gspo.trainer import Trainer
 
@@ -408,6 +409,31 @@ def test_overlong_counts_the_sampled_tokens_and_evaluation_leaves_it_out(tmp_pat
     monkeypatch.setattr(t, "rollout", rollout)
     t.train()
     assert len(rolls) == 1 and seen == [[len(r) for r in rolls[0].response_ids]]
+
+
+def test_evaluation_gives_response_tokens_to_a_reward_that_names_them(tmp_path):
+    """A reward function that names ``response_tokens`` gets them in the held-out evaluations
+    too: each greedy response's tokens, EOS included, as in training. Evaluation called it
+    without them, so every held-out response was unscorable and the run stopped before its
+    first step."""
+    from gspo.rollout import greedy_generate
+
+    seen = []
+
+    def short(prompts, completions, *, response_tokens, **_):
+        seen.append(list(response_tokens))
+        return [float(n <= 3) for n in response_tokens]
+
+    t = Trainer(_cfg(tmp_path, "rt", "steps=1", "task.eval_size=3",
+                     "rollout.eval_max_new_tokens=5"), reward_fns=[short]).setup()
+    out = t.train()
+    prompts = [format_prompt(t.tokenizer, ex.prompt, chat_template=True,
+                             system_prompt=t.cfg.task.system_prompt)
+               for ex in t.task.eval_examples]
+    greedy = greedy_generate(t.model, prompts, max_new_tokens=5, eos=t.eos, pad_id=t.pad_id)
+    assert seen[-1] == [len(r) for r in greedy]  # the final evaluation's
+    assert t.scorer.failures == {}
+    assert out["after"]["accuracy"] == sum(len(r) <= 3 for r in greedy) / 3
 
 
 def test_only_a_reward_that_names_response_tokens_gets_them():
