@@ -96,7 +96,7 @@ def concat_rollouts(rolls: list[Rollout]) -> Rollout:
 @dataclass
 class Draw:
     """One scored rollout batch: its examples, rollout and rewards [n_groups · G], and each
-    reward function's own values [n_groups · G] (``reward/<name>``; with several functions)."""
+    reward function's own values [n_groups · G] (``reward/<name>``, the samples file)."""
 
     examples: list[Any]
     roll: Rollout

@@ -193,7 +193,10 @@ class MetricsLogger:
 
 def reward_part_metrics(parts: Mapping[str, torch.Tensor]) -> dict[str, float]:
     """``reward/<name>``: each reward function's mean over the scorable responses of ``parts``
-    (its values of the global batch's rows; NaN when it scored none of them)."""
+    (its values of the global batch's rows; NaN when it scored none of them); with one
+    function, nothing (``reward/mean`` is its value times its weight)."""
+    if len(parts) < 2:
+        return {}
     return {f"reward/{k}": float(v.nanmean()) for k, v in parts.items()}
 
 

@@ -75,6 +75,7 @@ from gspo.trainer.async_rollout import (
     staleness_routing_metrics,
 )
 from gspo.trainer.checkpoint import (
+    atomic_write_text,
     cuda_rng_state,
     extra_rng_state,
     latest_checkpoint,
@@ -489,8 +490,8 @@ class Trainer:
         """``RUN/config.yaml`` (rank 0 owns the run folder); on a resume written only once the
         checkpoint is restored, so a resume that fails leaves the run's own config."""
         if self.dist.is_main:
-            (self.run_dir / "config.yaml").write_text(
-                yaml.safe_dump(to_dict(self.cfg), sort_keys=False))
+            atomic_write_text(self.run_dir / "config.yaml",  # `gspo train resume=RUN` reads it
+                              yaml.safe_dump(to_dict(self.cfg), sort_keys=False))
 
     # ------------------------------------------------------------------ checkpoints
     def _restore(self, ckpt: Path) -> dict[str, Any] | None:
@@ -630,8 +631,8 @@ class Trainer:
 
     def score_rows(self, examples: list[Any], roll: Rollout
                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Rewards of the global batch (NaN: unscorable) and, with several reward functions,
-        each one's values of the global batch's rows (``reward/<name>``)."""
+        """Rewards of the global batch (NaN: unscorable) and each reward function's values of
+        the global batch's rows (``reward/<name>`` with several functions; the samples file)."""
         g = roll.group_size
         completions = self.tokenizer.batch_decode(roll.response_ids, skip_special_tokens=True)
         prompts = [ex.prompt for ex in examples for _ in range(g)]
@@ -651,7 +652,7 @@ class Trainer:
                               f"(> reward.max_unscorable_frac); first error: "
                               f"{first.strip().splitlines()[-1]}")
         parts = {k: self.dist.gather(torch.tensor(v, dtype=torch.float32))[0]
-                 for k, v in per_fn.items() if len(per_fn) > 1}
+                 for k, v in per_fn.items()}
         self.last_samples = (prompts, completions, total, per_fn, columns["answer"])
         return rewards, parts
 
@@ -965,8 +966,10 @@ class Trainer:
         got = collect(first, draw, prompts_per_step=cfg.prompts_per_step,
                       max_extra_batches=cfg.dynamic_max_extra_batches, min_rows=min_rows)
         if got.roll is first.roll:  # the first draw, every group kept: the rows as they were
+            self._sample_rows(first.examples, first.roll, first.rewards, got.parts)
             return examples, roll, rewards, got.metrics, got.parts
         joined, kept = got.roll, got.examples
+        self._sample_rows(kept, joined, got.rewards, got.parts)
         if self.async_rollout is not None:
             # rows of this step's weights joined the pipeline's: staleness over the rows kept
             # (all ranks'; the joined rows' episode metrics, recomputed for them, stay)
@@ -981,6 +984,18 @@ class Trainer:
             with timer("old_logprobs"):
                 self._behaviour_pass(joined)
         return kept, joined, got.rewards, got.metrics, got.parts
+
+    def _sample_rows(self, examples: list[Any], roll: Rollout, rewards: torch.Tensor,
+                     parts: dict[str, torch.Tensor]) -> None:
+        """The samples file's rows of a step whose batch dynamic sampling joined from several
+        draws: the groups trained on (each draw's scoring left its own rows there, so the
+        last draw's, groups that may have been dropped)."""
+        g = roll.group_size
+        self.last_samples = (
+            [ex.prompt for ex in examples for _ in range(g)],
+            self.tokenizer.batch_decode(roll.response_ids, skip_special_tokens=True),
+            rewards.tolist(), {k: v.tolist() for k, v in parts.items()},
+            [ex.answer for ex in examples for _ in range(g)])
 
     def _global_draw(self, examples: list[Any], roll: Rollout, rewards: torch.Tensor,
                      parts: dict[str, torch.Tensor] | None = None) -> Draw:
@@ -1158,7 +1173,7 @@ class Trainer:
         result = {"steps": self.step, "before": self.baseline_eval, "after": self.final_eval,
                   "run_dir": str(self.run_dir)}
         if self.dist.is_main:
-            (self.run_dir / "final_eval.json").write_text(json.dumps(result, indent=2))
+            atomic_write_text(self.run_dir / "final_eval.json", json.dumps(result, indent=2))
         return result
 
     def _guard_stop(self, reason: str) -> None:

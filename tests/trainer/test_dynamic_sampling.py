@@ -321,3 +321,28 @@ def test_each_rank_takes_its_groups_advantages_when_a_capped_batch_splits_uneven
         roll = Rollout([[1]] * g, [[2]] * g, [torch.zeros(1)] * g, [False] * g, g)
         got = Trainer.advantages(me, rewards, roll)
         assert torch.equal(got, want[rank * g:(rank + 1) * g])
+
+
+def test_the_samples_file_holds_the_groups_trained_on(tmp_path):
+    """With extra draws the samples are the rows the update trains on (each draw's scoring
+    left its own rows there, so they were the last draw's, groups that may have been
+    dropped), with each function's values, one function too."""
+    t = Trainer(_cfg(tmp_path, "samples", "steps=2", "rollout.dynamic_sampling=true",
+                     "rollout.dynamic_max_extra_batches=2", "logging.samples_every=1"),
+                reward_fns=[first_char_is_digit]).setup()
+    trained, update_batch = [], t.update_batch
+
+    def spy(roll, adv, plan):
+        trained.append(t.tokenizer.batch_decode(roll.response_ids, skip_special_tokens=True))
+        return update_batch(roll, adv, plan)
+
+    t.update_batch = spy
+    extra = 0.0
+    for _ in range(2):
+        m = t.train_step()
+        extra += m["dynamic/extra_batches"]
+        prompts, completions, rewards, per_fn, _ = t.last_samples
+        assert completions == trained[-1] and len(prompts) == len(completions)
+        assert per_fn["first_char_is_digit"] == rewards
+        assert "reward/first_char_is_digit" not in m  # one function: reward/mean says it
+    assert extra > 0  # the case in question ran
