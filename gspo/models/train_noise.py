@@ -16,6 +16,7 @@ Three places hold such noise in a Hugging Face model:
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -44,34 +45,32 @@ def _configs(model: Any) -> list[Any]:
     return found
 
 
+def _sources(model: Any) -> Iterator[tuple[Any, str, str]]:
+    """Every noise source of ``model`` with a positive value: (its holder, the attribute,
+    a label such as ``"model.layers.0.self_attn.attention_dropout=0.1"``)."""
+    for name, module in model.named_modules():
+        prefix = f"{name}." if name else ""
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0:
+            yield module, "p", f"{prefix}p={module.p}"
+        for k, v in vars(module).items():
+            if _noisy_name(k) and _positive_float(v):
+                yield module, k, f"{prefix}{k}={v}"
+    for config in _configs(model):
+        for k, v in vars(config).items():
+            if _noisy_name(k) and _positive_float(v):
+                yield config, k, f"config.{k}={v}"
+
+
 def train_noise(model: Any) -> list[str]:
     """Where ``model`` draws random numbers in training mode, e.g.
     ``["model.layers.0.self_attn.attention_dropout=0.1", "config.router_jitter_noise=0.01"]``;
     empty when training mode is deterministic."""
-    found = []
-    for name, module in model.named_modules():
-        prefix = f"{name}." if name else ""
-        if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0:
-            found.append(f"{prefix}p={module.p}")
-        found += [f"{prefix}{k}={v}" for k, v in vars(module).items()
-                  if _noisy_name(k) and _positive_float(v)]
-    for config in _configs(model):
-        found += [f"config.{k}={v}" for k, v in vars(config).items()
-                  if _noisy_name(k) and _positive_float(v)]
-    return found
+    return [label for _, _, label in _sources(model)]
 
 
 def disable_train_noise(model: Any) -> list[str]:
     """Set every source :func:`train_noise` finds to zero, in place; returns what was set."""
-    found = train_noise(model)
-    for module in model.modules():
-        if isinstance(module, torch.nn.modules.dropout._DropoutNd):
-            module.p = 0.0
-        for k, v in list(vars(module).items()):
-            if _noisy_name(k) and _positive_float(v):
-                setattr(module, k, 0.0)
-    for config in _configs(model):
-        for k, v in list(vars(config).items()):
-            if _noisy_name(k) and _positive_float(v):
-                setattr(config, k, 0.0)
-    return found
+    found = list(_sources(model))
+    for holder, attr, _ in found:
+        setattr(holder, attr, 0.0)
+    return [label for _, _, label in found]

@@ -104,6 +104,16 @@ def join_routing(records: list[list[torch.Tensor]], rows: list[int], *,
     return joined
 
 
+def policy_tokens(response_ids: list[list[int]],
+                  model_mask: list[list[int]] | None = None) -> list[int]:
+    """Each response's tokens the policy sampled, EOS included: all of them, or with a
+    multi-turn observation mask the ones it marks as the policy's (what a reward function that
+    names ``response_tokens`` gets, in training and in evaluation)."""
+    if model_mask is None:
+        return [len(r) for r in response_ids]
+    return [sum(m) for m in model_mask]
+
+
 def share(n: int, parts: int, index: int) -> tuple[int, int]:
     """``[lo, hi)``: the ``index``-th of ``parts`` contiguous shares of ``n`` items, the first
     ``n % parts`` one larger (a torchrun rank's prompts; an engine's part of a request)."""

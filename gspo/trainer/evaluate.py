@@ -8,6 +8,7 @@ import torch
 
 from gspo.data import format_prompt
 from gspo.rollout import greedy_generate
+from gspo.rollout.batch import policy_tokens
 from gspo.rollout.multiturn import TurnLoop, greedy_sampler
 
 
@@ -33,15 +34,13 @@ def evaluate(model: Any, tokenizer: Any, examples: list[Any], scorer: Any, *,
             out = greedy_generate(model, prompts, max_new_tokens=max_new_tokens, eos=eos,
                                   pad_id=pad_id, fast_decode=fast_decode,
                                   decode_matmul=decode_matmul)
-            sampled = [len(r) for r in out]
+            mask = None
         else:
             sample = greedy_sampler(model, max_new_tokens=max_new_tokens, eos=eos,
                                     pad_id=pad_id, fast_decode=fast_decode,
                                     decode_matmul=decode_matmul)
             roll = turns.run(sample, chunk, prompts, [0] * len(chunk), 1)
-            out = roll.response_ids
-            sampled = ([len(r) for r in out] if roll.model_mask is None
-                       else [sum(m) for m in roll.model_mask])
+            out, mask = roll.response_ids, roll.model_mask
         completions = tokenizer.batch_decode(out, skip_special_tokens=True)
         columns: dict[str, list] = {"answer": [ex.answer for ex in chunk]}
         for key in chunk[0].columns:
@@ -49,7 +48,7 @@ def evaluate(model: Any, tokenizer: Any, examples: list[Any], scorer: Any, *,
         # the policy's tokens, EOS included, as training scores them (a reward function that
         # names response_tokens needs them)
         total, _ = scorer([ex.prompt for ex in chunk], completions, columns,
-                          response_tokens=sampled)
+                          response_tokens=policy_tokens(out, mask))
         rewards += [0.0 if r != r else r for r in total]  # NaN (unscorable) counts as 0
     n = max(len(rewards), 1)
     return {"accuracy": sum(r >= full - 1e-9 for r in rewards) / n,

@@ -63,6 +63,7 @@ from gspo.rollout import (
     pad_batch,
 )
 from gspo.rollout.async_engine import Request, trainer_pass
+from gspo.rollout.batch import policy_tokens
 from gspo.rollout.engine import weights_for_rollout
 from gspo.rollout.gloo_net import is_this_machine
 from gspo.rollout.multiturn import TurnLoop, engine_sampler, episode_metrics
@@ -639,9 +640,8 @@ class Trainer:
         columns: dict[str, list] = {"answer": [ex.answer for ex in examples for _ in range(g)]}
         for key in examples[0].columns:
             columns[key] = [ex.columns.get(key) for ex in examples for _ in range(g)]
-        sampled = ([len(r) for r in roll.response_ids] if roll.model_mask is None
-                   else [sum(m) for m in roll.model_mask])  # the policy's tokens, EOS included
-        total, per_fn = self.scorer(prompts, completions, columns, response_tokens=sampled)
+        total, per_fn = self.scorer(prompts, completions, columns, response_tokens=policy_tokens(
+            roll.response_ids, roll.model_mask))
         # Every rank's rewards in prompt order: batch-scaled advantages, the reward metrics and
         # the unscorable check below see the global batch, so all ranks raise or none does.
         rewards, _ = self.dist.gather(torch.tensor(total, dtype=torch.float32))
