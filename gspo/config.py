@@ -69,8 +69,10 @@ class TaskConfig:
         "'What is {problem}? Answer with a number.')")
     eval_path: str = _f("", "held-out JSONL file (empty: hold out eval_size problems of path); "
                         "training leaves out the rows whose prompt it holds")
-    prompt_field: str = _f("prompt", "dataset column holding the prompt")
-    answer_field: str = _f("answer", "dataset column holding the reference answer")
+    prompt_field: str = _f("prompt", "task.name=jsonl or dataset (or rows passed to "
+                           "Trainer(train_dataset=...)): column holding the prompt")
+    answer_field: str = _f("answer", "task.name=jsonl or dataset (or rows passed to "
+                           "Trainer(train_dataset=...)): column holding the reference answer")
     system_prompt: str = _f("You are a helpful assistant.",
                             "system message for the chat template (empty: the tokenizer's own)")
     chat_template: bool = _f(True, "apply the tokenizer's chat template (false: raw prompts)")
@@ -309,7 +311,9 @@ class GuardConfig:
         "below its best such mean (0: off); with rollout.dynamic_sampling the mean over every "
         "sampled response (dynamic/sampled_reward_mean), not over the groups kept")
     collapse_entropy_floor: float = _f(
-        0.0, "collapse signal: policy entropy per token (train/entropy) below this (0: off)")
+        0.0, "collapse signal: policy entropy per token (train/entropy) below this (0: off); "
+        "measured by the trainer's π_old pass: with objective.old_logprobs=rollout or "
+        "rollout.async_steps > 0 (dense policy) only on the logging.rollout_check_every steps")
     collapse_ratio_ceiling: float = _f(
         0.0, "collapse signal: largest sequence ratio (objective/seq_ratio_max) above this "
         "(0: off)")
@@ -328,7 +332,6 @@ class SFTConfig:
     warmup_steps: int = _f(20, "linear warm-up steps")
     weight_decay: float = _f(0.0, "AdamW weight decay")
     grad_clip: float = _f(1.0, "max global grad norm (0 = off)")
-    fused: bool = _f(True, "fused AdamW kernel (same update rule; off under FSDP2)")
     seed: int = _f(0, "seed of the initialisation and of the problem draws")
     chat_template: bool = _f(True, "use the chat template (match the run's task.chat_template)")
     system_prompt: str = _f("", "chat template's system message (match task.system_prompt)")
@@ -492,17 +495,50 @@ def _merge(obj: Any, data: dict[str, Any], prefix: str = "") -> None:
             setattr(obj, key, _coerce(value, tp, full))
 
 
-def parse_override(item: str) -> dict[str, Any]:
-    """Turn ``a.b=1`` into ``{"a": {"b": 1}}``; the value is parsed as YAML."""
+def _leaf_type(cls: type, parts: list[str]) -> Any:
+    """The annotation of the field that the dotted key ``parts`` names in the dataclass
+    ``cls``; None when there is no such field (a mapping's entry, an unknown key)."""
+    tp: Any = cls
+    for part in parts:
+        hints = typing.get_type_hints(tp) if dataclasses.is_dataclass(tp) else {}
+        if part not in hints:
+            return None
+        tp = hints[part]
+    return tp
+
+
+def _text(raw: str) -> Any:
+    """An override's value for a string field: the text as written (YAML would read
+    ``0123`` as 83, cut ``a #b`` at the comment and ``a: b`` into a mapping), unquoted where
+    it is one YAML-quoted string (``run_name="'x'"``); a flow list or mapping (``[a, b]``)
+    stays one, for the type check to refuse."""
+    if raw[:1] in ("'", '"', "[", "{"):
+        try:
+            value = yaml.safe_load(raw)
+        except Exception:  # PyYAML also raises ValueError, KeyError, ... on bad scalars
+            return raw
+        if isinstance(value, str) or (raw[:1] in "[{" and isinstance(value, (list, dict))):
+            return value
+    return raw
+
+
+def parse_override(item: str, cls: type | None = None) -> dict[str, Any]:
+    """Turn ``a.b=1`` into ``{"a": {"b": 1}}``; the value is parsed as YAML, except that a
+    key naming a string field of the dataclass ``cls`` (when given) takes the text as
+    written (:func:`_text`)."""
     if "=" not in item:
         raise ConfigError(f"override '{item}' must look like key=value")
     key, raw = item.split("=", 1)
     if not key or any(not part for part in key.split(".")):
         raise ConfigError(f"override '{item}' has an empty key")
-    try:
-        value = yaml.safe_load(raw) if raw != "" else ""
-    except Exception:  # PyYAML also raises ValueError, KeyError, ... on bad scalars/tags
-        value = raw
+    value: Any
+    if cls is not None and _leaf_type(cls, key.split(".")) is str:
+        value = _text(raw)
+    else:
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except Exception:  # PyYAML also raises ValueError, KeyError, ... on bad scalars/tags
+            value = raw
     for part in reversed(key.split(".")):
         value = {part: value}
     return value
@@ -568,7 +604,7 @@ def build(cls: type[C], path: str | Path | None = None, overrides: list[str] | N
     if path is not None:
         _merge(cfg, read_yaml(path) or {})
     for item in overrides or []:
-        _merge(cfg, parse_override(item))
+        _merge(cfg, parse_override(item, cls))
     return cfg
 
 
@@ -600,15 +636,19 @@ def _check(cond: bool, msg: str) -> None:
 
 
 def validate(cfg: TrainConfig) -> None:
-    """Cross-field checks that types alone cannot express."""
+    """Cross-field checks that types alone cannot express (and :func:`check_task_columns`
+    where the problems come from task.name)."""
     r, o, t = cfg.rollout, cfg.objective, cfg.task
     _check(r.group_size >= 2, f"rollout.group_size must be >= 2 (got {r.group_size})")
     _check(r.prompts_per_step >= 1, "rollout.prompts_per_step must be >= 1")
     _check(r.max_new_tokens >= 1, "rollout.max_new_tokens must be >= 1")
     _check(r.temperature > 0, "rollout.temperature must be > 0 (greedy rollouts give no signal)")
+    _check(r.temperature < float("inf"), "rollout.temperature must be a finite number")
     _check(0 < r.top_p <= 1, "rollout.top_p must be in (0, 1]")
     _check(r.top_k >= 0, "rollout.top_k must be >= 0")
-    _check(r.engine in ("hf", "vllm", "llamacpp"), f"rollout.engine: unknown engine '{r.engine}'")
+    # the names RolloutConfig.engine's Literal lists (docs/architecture.md: adding an engine)
+    engines = typing.get_args(typing.get_type_hints(RolloutConfig)["engine"])
+    _check(r.engine in engines, f"rollout.engine: unknown engine '{r.engine}'")
     _check(r.engine == "vllm" or (r.top_p == 1 and r.top_k == 0)
            or (o.old_logprobs == "recompute" and o.correction.name == "none"),
            f"rollout.top_p/top_k truncate the distribution the samples come from, but "
@@ -675,9 +715,10 @@ def validate(cfg: TrainConfig) -> None:
     _check(cfg.save_every >= 0, "save_every must be >= 0 (0: only at the end)")
     _check(cfg.eval_every >= 0, "eval_every must be >= 0 (0: only before/after)")
     _validate_optim(cfg.optim)
-    _check(cfg.moe.aux_loss_coef >= 0, "moe.aux_loss_coef must be >= 0 (0 = off)")
-    _check(cfg.moe.router_lr_scale > 0,
-           f"moe.router_lr_scale must be > 0 (got {cfg.moe.router_lr_scale})")
+    _check(0 <= cfg.moe.aux_loss_coef < float("inf"),
+           "moe.aux_loss_coef must be a finite number >= 0 (0 = off)")
+    _check(0 < cfg.moe.router_lr_scale < float("inf"),
+           f"moe.router_lr_scale must be > 0 and finite (got {cfg.moe.router_lr_scale})")
     _check(cfg.logprob_chunk >= 1, "logprob_chunk must be >= 1")
     _check(not cfg.compile_layers or cfg.lean_forward,
            "compile_layers=true compiles the lean log-prob pass: it needs lean_forward=true")
@@ -724,7 +765,8 @@ def validate(cfg: TrainConfig) -> None:
     for name in ("alpha", "dropout", "target_modules"):
         _check(lo.r > 0 or getattr(lo, name) == getattr(LoRAConfig(), name),
                f"lora.{name} is used only with lora.r > 0 (LoRA is off)")
-    _check(lo.alpha > 0 and 0 <= lo.dropout < 1, "lora.alpha must be > 0, lora.dropout in [0, 1)")
+    _check(0 < lo.alpha < float("inf") and 0 <= lo.dropout < 1,
+           "lora.alpha must be a finite number > 0, lora.dropout in [0, 1)")
     _check(lo.dropout == 0 or not cfg.disable_dropout,
            "lora.dropout > 0 is unused with disable_dropout=true (the default: dropout makes "
            "π_θ differ from π_old at θ = θ_old); set disable_dropout=false to train with it")
@@ -763,25 +805,41 @@ def validate(cfg: TrainConfig) -> None:
            "(else the first fault can only stop the run)")
 
 
-# What each built-in task reads of TaskConfig beyond eval_size, prompt_field, answer_field,
-# system_prompt and chat_template (tasks registered by users get the whole config).
+# What each built-in task reads of TaskConfig beyond eval_size, system_prompt and
+# chat_template (tasks registered by users get the whole config).
+_COLUMNS = ("prompt_field", "answer_field")  # also read of rows passed to the Trainer
 _TASK_FIELDS = {
     "arithmetic": ("levels", "level_weights", "eval_levels", "operations", "prompt_template"),
     "countdown": ("countdown_numbers",),
     "gsm8k_mini": (),
-    "jsonl": ("path", "eval_path"),
-    "dataset": ("path", "subset", "split", "eval_split"),
+    "jsonl": ("path", "eval_path", *_COLUMNS),
+    "dataset": ("path", "subset", "split", "eval_split", *_COLUMNS),
     "reasoning_gym": ("subset", "options"),
 }
 
 
+def check_task_columns(t: TaskConfig) -> None:
+    """task.prompt_field / task.answer_field set for a built-in task that reads no rows: a
+    :class:`ConfigError`. Checked where the problems come from task.name (the CLI, a
+    ``Trainer`` without ``train_dataset``); rows passed to ``Trainer(train_dataset=...)``
+    are read by these columns whatever task.name is."""
+    uses = _TASK_FIELDS.get(t.name, _COLUMNS)
+    default = TaskConfig()
+    for name in _COLUMNS:
+        _check(name in uses or getattr(t, name) == getattr(default, name),
+               f"task.{name} names a column of task.name=jsonl or dataset rows (or of "
+               f"Trainer(train_dataset=...)); task.name={t.name} reads no rows")
+
+
 def _validate_task_fields(t: TaskConfig) -> None:
-    """A task field set for a built-in task that does not read it is an error."""
+    """A task field set for a built-in task that does not read it is an error (the row
+    columns: :func:`check_task_columns`)."""
     uses = _TASK_FIELDS.get(t.name)
     if uses is None:
         return
     default = TaskConfig()
-    for name in sorted({f for fields in _TASK_FIELDS.values() for f in fields} - set(uses)):
+    unused = {f for fields in _TASK_FIELDS.values() for f in fields} - set(uses)
+    for name in sorted(unused - set(_COLUMNS)):
         readers = [n for n, fields in _TASK_FIELDS.items() if name in fields]
         _check(getattr(t, name) == getattr(default, name),
                f"task.{name} is used only by task.name={' or '.join(readers)} "

@@ -57,7 +57,11 @@ def evals(rows: list[dict[str, Any]]) -> dict[int, float]:
 
 
 def window_reward(rows: list[dict[str, Any]], lo: int, hi: int) -> float:
-    vals = [r["reward/mean"] for r in rows if lo <= r["step"] <= hi and "reward/mean" in r]
+    """Mean reward per sampled response over steps ``lo``..``hi``: each step's
+    ``dynamic/sampled_reward_mean`` where dynamic sampling logged it (``reward/mean`` is then
+    over the groups kept, those with reward variance), else its ``reward/mean``."""
+    vals = [r.get("dynamic/sampled_reward_mean", r["reward/mean"]) for r in rows
+            if lo <= r["step"] <= hi and "reward/mean" in r]
     return statistics.mean(vals) if vals else float("nan")
 
 

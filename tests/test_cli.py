@@ -120,6 +120,15 @@ def test_dataset_custom_answer_field_missing(capsys, tmp_path):
     assert "'target'" in msg
 
 
+@pytest.mark.parametrize("cmd", ["train", "validate"])
+@pytest.mark.parametrize("field", ["prompt_field", "answer_field"])
+def test_row_column_for_a_task_that_reads_no_rows(capsys, tmp_path, cmd, field):
+    """task.prompt_field / task.answer_field name columns of rows; the arithmetic task (the
+    default) reads none, so setting them is an error, never silently ignored."""
+    msg = fail(capsys, tmp_path, TINY, f"task.{field}=question", cmd=cmd)
+    assert f"task.{field}" in msg and "task.name=arithmetic reads no rows" in msg
+
+
 def test_empty_dataset(capsys, tmp_path):
     path = jsonl(tmp_path)
     assert "empty" in fail(capsys, tmp_path, TINY, "task.name=jsonl", f"task.path={path}")

@@ -80,6 +80,29 @@ def test_numeric_looking_strings_stay_strings():
     assert cfg.run_name == "123" and cfg.model == "1.5"
 
 
+@pytest.mark.parametrize("override, key, text", [
+    ("run_name=0123", "run_name", "0123"),  # YAML 1.1: octal 83
+    ("run_name=12:30", "run_name", "12:30"),  # YAML 1.1: sexagesimal 750
+    ("run_name=1_000", "run_name", "1_000"),
+    ("run_name=1.10", "run_name", "1.10"),
+    ("model=2001-12-14", "model", "2001-12-14"),  # a date
+    ("task.system_prompt=Answer after #### on its own line", "task.system_prompt",
+     "Answer after #### on its own line"),  # cut at the comment
+    ("task.system_prompt=#1 rule: be brief", "task.system_prompt", "#1 rule: be brief"),
+    ("task.system_prompt=Reply: a number", "task.system_prompt", "Reply: a number"),  # mapping
+    ("task.system_prompt=yes", "task.system_prompt", "yes"),  # a boolean
+    ("task.system_prompt=- be brief", "task.system_prompt", "- be brief"),  # a list
+    ("task.system_prompt=&a x", "task.system_prompt", "&a x"),  # an anchor
+    ("task.prompt_template={problem} =", "task.prompt_template", "{problem} ="),
+    ("run_name='0123'", "run_name", "0123"),  # one YAML-quoted string: unquoted
+    ('task.system_prompt="a #b"', "task.system_prompt", "a #b"),
+])
+def test_string_overrides_keep_their_text(override, key, text):
+    """A string field takes an override's text as written: YAML would turn it into another
+    string (silently) or into a number, date, mapping or list (an error)."""
+    assert getattr_dotted(load_config(None, [override]), key) == text
+
+
 def test_parse_override_shapes():
     assert parse_override("a.b.c=1") == {"a": {"b": {"c": 1}}}
     assert parse_override("x=[1, 2]") == {"x": [1, 2]}
@@ -315,6 +338,12 @@ def test_yaml_timestamp_like_override_is_a_string_or_error():
     (["logging.rollout_check_every=-1"], "logging.rollout_check_every must be >= 0"),
     (["moe.aux_loss_coef=-1"], "moe.aux_loss_coef"),
     (["objective.beta=inf"], "objective.beta must be a finite number"),
+    # infinities that used to train on: uniform sampling, every update skipped (a non-finite
+    # loss), or a traceback mid-run (an infinite LoRA scaling or router learning rate)
+    (["rollout.temperature=inf"], "rollout.temperature must be a finite number"),
+    (["moe.aux_loss_coef=inf"], "moe.aux_loss_coef must be a finite number"),
+    (["moe.router_lr_scale=inf"], "moe.router_lr_scale must be > 0 and finite"),
+    (["lora.r=4", "lora.alpha=inf"], "lora.alpha must be a finite number"),
     # the hf engine records log π, not the top-p/top-k truncated distribution it samples from
     (["rollout.top_p=0.9", "objective.old_logprobs=rollout"], "rollout.engine=hf records log π"),
     (["rollout.top_k=20", "objective.old_logprobs=decoupled", "objective.correction.name=tis"],

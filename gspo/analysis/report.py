@@ -181,8 +181,12 @@ def summarize(spec: Any, runs: dict[str, dict[int, Path]],
     for arm in spec.arms:
         per_seed = {seed: summarize_run(d) for seed, d in runs[arm.name].items()}
         keys = per_seed[next(iter(per_seed))].keys()
+        # over the comparison's seeds: a seed without a finished run (a partial report) is a
+        # seed without a value, counted in the cell's (n=k/N)
+        seeds = [*spec.seeds, *(s for s in per_seed if s not in spec.seeds)]
         arms[arm.name] = {"label": arm.label, "overrides": arm.overrides, "runs": per_seed,
-                          "stats": {k: _stats([r[k] for r in per_seed.values()]) for k in keys}}
+                          "stats": {k: _stats([per_seed[s][k] if s in per_seed else math.nan
+                                               for s in seeds]) for k in keys}}
     probe_values = [p for p in probes.values() if p]
     probe = {}
     if probe_values:
@@ -253,15 +257,22 @@ def _per_seed_table(summary: dict[str, Any]) -> str:
 
 
 def _start_text(summary: dict[str, Any]) -> str:
-    """What every arm starts from (same initial policy and evaluation set per seed)."""
+    """What every arm starts from (same initial policy and evaluation set per seed): the
+    held-out accuracy before training once per seed, from the first arm that has a value for
+    it (an arm may lack a seed's run: ``scripts/compare_report.py --partial``)."""
     runs = [r for arm in summary["arms"].values() for r in arm["runs"].values()]
-    before = _stats([r["accuracy_before"] for r in runs][: len(summary["seeds"])])
+    per_seed: dict[Any, float] = {}
+    for arm in summary["arms"].values():
+        for seed, r in arm["runs"].items():
+            if math.isfinite(r["accuracy_before"]):
+                per_seed.setdefault(seed, r["accuracy_before"])
+    before = _stats([per_seed.get(seed, math.nan) for seed in summary["seeds"]])
     first = _stats([r["first_reward"] for r in runs])
-    hours = sum(r["wall_s"] for r in runs) / 60
+    minutes = sum(r["wall_s"] for r in runs) / 60
     return (f"Before RL (shared by every arm): held-out accuracy {_cell(before)}. Over the "
-            f"first quarter of the steps, already training: reward per sampled response "
-            f"{_cell(first)} (all runs of every arm). "
-            f"Sum of the runs' wall times: {hours:.1f} min.")
+            f"first quarter of the steps, already training: mean training reward "
+            f"(`reward/mean`, as the final reward) {_cell(first)} (all runs of every arm). "
+            f"Sum of the runs' wall times: {minutes:.1f} min.")
 
 
 def _probe_text(probe: dict[str, Any]) -> str:

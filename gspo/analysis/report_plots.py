@@ -15,10 +15,15 @@ import yaml
 from gspo.analysis.plot import series
 from gspo.trainer.metrics import read_metrics
 
+# Not a logged key: the reward per sampled response of a step, ``dynamic/sampled_reward_mean``
+# where dynamic sampling logged it (every response drawn, also those of the groups it dropped),
+# else ``reward/mean`` (without dynamic sampling every sampled response is trained on).
+SAMPLED_REWARD = "reward/per_sampled_response"
+
 # (file stem, title, [(metric key, subplot title, y label, y scale)])
 FIGURES: list[tuple[str, str, list[tuple[str, str, str, str]]]] = [
     ("reward", "Training reward", [
-        ("reward/mean", "Mean reward per sampled response", "reward", "linear")]),
+        (SAMPLED_REWARD, "Mean reward per sampled response", "reward", "linear")]),
     ("accuracy", "Held-out accuracy (greedy)", [
         ("eval/accuracy", "Accuracy on held-out problems", "accuracy", "linear")]),
     ("clipping", "Clipping", [
@@ -59,6 +64,20 @@ def samples_seen(rows: list[dict[str, Any]], run_dir: Path) -> dict[float, float
     return seen
 
 
+def _series(rows: list[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
+    """:func:`gspo.analysis.plot.series`, and for :data:`SAMPLED_REWARD` each step's reward per
+    sampled response."""
+    if key != SAMPLED_REWARD:
+        return series(rows, key)
+    xs, ys = [], []
+    for row in rows:
+        if "reward/mean" in row:
+            v = row.get("dynamic/sampled_reward_mean", row["reward/mean"])
+            xs.append(float(row["step"]))
+            ys.append(float(v) if isinstance(v, (int, float)) else math.nan)
+    return xs, ys
+
+
 def band(runs: dict[int, Path], key: str, cache: dict[Path, list[dict[str, Any]]]
          ) -> tuple[list[float], list[float], list[float], list[float]]:
     """(samples, mean, min, max) over seeds at the steps where every seed logged ``key``.
@@ -67,7 +86,7 @@ def band(runs: dict[int, Path], key: str, cache: dict[Path, list[dict[str, Any]]
     per_seed, seen_per_seed = [], []
     for run_dir in runs.values():
         rows = cache.setdefault(run_dir, read_metrics(run_dir))
-        xs, ys = series(rows, key)
+        xs, ys = _series(rows, key)
         seen = samples_seen(rows, run_dir)
         scale = _samples_per_step(run_dir)
         per_seed.append({x: y for x, y in zip(xs, ys) if math.isfinite(y)})

@@ -122,6 +122,9 @@ def _arms(value: Any, where: str) -> list[Arm]:
     for name, body in value.items():
         if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise ConfigError(f"{where}: arm name {name!r} must be letters, digits, _ . -")
+        if name == "probe":  # its runs would go to probe_s<seed>, the routing probes' folders
+            raise ConfigError(f"{where}: arm name 'probe' is taken: gspo compare keeps the "
+                              "routing probe of each seed in probe_s<seed>; rename the arm")
         body = _mapping(body if body is not None else {}, f"{where}.{name}", ARM_KEYS)
         label = body.get("label", name)
         if not isinstance(label, str) or not label.strip():

@@ -15,6 +15,7 @@ from gspo.config import (
     ConfigError,
     TrainConfig,
     check_engine_address,
+    check_task_columns,
     describe_fields,
     load_config,
     read_yaml,
@@ -67,7 +68,7 @@ def _resumed_run_config(overrides: list[str]) -> str | None:
 
     resume = ""
     for item in overrides:
-        value = parse_override(item).get("resume")
+        value = parse_override(item, TrainConfig).get("resume")
         if value is not None and not isinstance(value, dict):
             resume = str(value)
     saved = Path(resume) / "config.yaml" if resume else None
@@ -168,6 +169,7 @@ def cmd_eval(argv: list[str]) -> int:
     path, overrides = _split_args(ns.config)
     cfg = load_config(path, [*overrides, f"model={ns.model}"])
     _check_eval_keys(overrides)
+    check_task_columns(cfg.task)
     import torch
 
     from gspo.data import build_task
@@ -229,6 +231,7 @@ def cmd_validate(args: list[str]) -> int:
         runs = [("", load_config(path, overrides))]
     for where, cfg in runs:
         try:
+            check_task_columns(cfg.task)
             objective_from_config(cfg.objective)  # the options the loss takes
             check_model(cfg.model)
         except (ConfigError, ModelError) as e:

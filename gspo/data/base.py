@@ -56,6 +56,17 @@ def reward_columns(row: Any, prompt_field: str, answer_field: str,
     return {k: v for k, v in row.items() if k not in (prompt_field, "answer")}
 
 
+def same_columns(rows: list[Example]) -> list[Example]:
+    """``rows`` with every column that any of them has, ``None`` where a row lacks it (as
+    ``datasets`` fills an absent column): a batch's columns are those of its first row, so a
+    column that only some rows of a JSONL file or a list of dicts have would otherwise reach
+    the rewards in some batches and not in others."""
+    names = list(dict.fromkeys(k for ex in rows for k in ex.columns))
+    if all(len(ex.columns) == len(names) for ex in rows):
+        return rows
+    return [Example(ex.prompt, ex.answer, {k: ex.columns.get(k) for k in names}) for ex in rows]
+
+
 @runtime_checkable
 class Task(Protocol):
     """What the trainer and evaluation use of a task (every entry of ``TASKS`` builds one).

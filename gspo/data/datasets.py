@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from gspo.data.base import DataError, Example, reward_columns
+from gspo.data.base import DataError, Example, reward_columns, same_columns
 
 
 def load_jsonl(path: str, prompt_field: str = "prompt",
                answer_field: str = "answer") -> list[Example]:
-    """Read ``path``; every other column is passed to reward functions under its own name.
+    """Read ``path``; every other column is passed to reward functions under its own name
+    (``None`` for a row without it).
 
     A row without the prompt or answer field, or with it ``null``, is a :class:`DataError`.
     """
@@ -45,4 +46,4 @@ def load_jsonl(path: str, prompt_field: str = "prompt",
         rows.append(Example(row[prompt_field], str(row[answer_field]), extra))
     if not rows:
         raise DataError(f"{p}: dataset is empty")
-    return rows
+    return same_columns(rows)

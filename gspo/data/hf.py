@@ -19,6 +19,7 @@ from gspo.data.base import (
     Example,
     held_out_task,
     reward_columns,
+    same_columns,
 )
 
 # File suffix -> the `datasets` builder that reads it.
@@ -47,7 +48,8 @@ def _answer_text(value: Any, float_column: bool) -> str:
 
 def records_to_examples(records: Iterable[Mapping[str, Any]], *, prompt_field: str = "prompt",
                         answer_field: str = "answer", source: str = "dataset") -> list[Example]:
-    """Rows (dicts, or a ``datasets.Dataset``) -> Examples; other columns go to the rewards.
+    """Rows (dicts, or a ``datasets.Dataset``) -> Examples; other columns go to the rewards
+    (``None`` for a row without one).
 
     A row whose prompt or answer is missing, null or NaN is a :class:`DataError`.
     """
@@ -79,7 +81,7 @@ def records_to_examples(records: Iterable[Mapping[str, Any]], *, prompt_field: s
                             "string")
         extra = reward_columns(row, prompt_field, answer_field, f"{source}: row {i}")
         rows.append(Example(prompt, _answer_text(row[answer_field], float_answers), extra))
-    return rows
+    return same_columns(rows)
 
 
 def load_split(path: str, split: str, *, subset: str = "") -> Any:

@@ -64,9 +64,10 @@ def apply_lora(model: Any, cfg: Any, *, adapter_dir: str | Path | None = None) -
 def _check_targets(model: Any, targets: list[str]) -> None:
     """Every name in ``targets`` names modules of ``model`` as PEFT matches a list (the whole
     name, or its end after a dot): PEFT refuses only a list of which *no* name matches, so a
-    misspelt name beside a good one would silently adapt fewer layers. An output layer tied
-    to the input embeddings cannot be adapted: merging its adapter (``gspo export``, the
-    weights sent to vLLM) would change the embeddings too. A :class:`ModelError`."""
+    misspelt name beside a good one would silently adapt fewer layers. An output layer and
+    input embeddings that share their weight (``tie_word_embeddings``) cannot be adapted:
+    merging the adapter of one (``gspo export``, the weights sent to vLLM) would change the
+    other too, which the policy trained without. A :class:`ModelError`."""
     names = [n for n, _ in model.named_modules()]
     hits = lambda t: [n for n in names if n == t or n.endswith(f".{t}")]  # noqa: E731
     unmatched = [t for t in targets if not hits(t)]
@@ -76,12 +77,14 @@ def _check_targets(model: Any, targets: list[str]) -> None:
     head, inputs = model.get_output_embeddings(), model.get_input_embeddings()
     if head is None or inputs is None or head.weight is not inputs.weight:
         return
-    head_name = next(n for n, m in model.named_modules() if m is head)
-    if any(head_name in hits(t) for t in targets):
-        raise ModelError(f"lora: target_modules adapts the output layer {head_name}, whose "
-                         f"weight {type(model).__name__} shares with the input embeddings "
-                         "(tie_word_embeddings): merging the adapter (gspo export, vLLM) would "
-                         "change the embeddings too; leave it out")
+    for layer, what, other in ((head, "the output layer", "the input embeddings"),
+                               (inputs, "the input embeddings", "the output layer")):
+        name = next(n for n, m in model.named_modules() if m is layer)
+        if any(name in hits(t) for t in targets):
+            raise ModelError(f"lora: target_modules adapts {what} {name}, whose weight "
+                             f"{type(model).__name__} shares with {other} "
+                             "(tie_word_embeddings): merging the adapter (gspo export, vLLM) "
+                             f"would change {other} too; leave it out")
 
 
 def _check_saved_adapter(adapter_dir: Path, cfg: Any) -> None:

@@ -27,7 +27,10 @@ class RewardSpecError(ValueError):
 # A number: an optional minus (ASCII '-', U+2212 MINUS SIGN or U+FF0D FULLWIDTH HYPHEN-MINUS),
 # then digits with optional thousands commas and decimals ("1,234.5"), or only decimals (".5", not
 # the ".5" of "1.2.5" or "...5"). \d is any Unicode decimal digit (Arabic-Indic, fullwidth, ...).
-_NUMBER = re.compile(r"[-\u2212\uff0d]?(?:\d[\d,]*(?:\.\d+)?|(?<![\d.])\.\d+)")
+# A comma is a thousands separator only between groups of three digits: "2,3" and "(4,5)" are
+# two numbers, not 23 and 45.
+_NUMBER = re.compile(
+    r"[-\u2212\uff0d]?(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|(?<![\d.])\.\d+)")
 
 
 def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:

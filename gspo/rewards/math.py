@@ -11,6 +11,7 @@ import ast
 import functools
 import importlib.util
 import math
+import re
 import threading
 from collections import Counter
 from fractions import Fraction
@@ -194,6 +195,26 @@ def _gold_text(answer: Any) -> str:
     return text.rsplit("####", 1)[1].strip() if "####" in text else text.strip()
 
 
+# A reference math-verify finds LaTeX in by itself, and one that is prose ("18 dollars"; a word
+# of three letters not after a backslash: not \sqrt, \text{cm} or x^2): read as it is.
+_DELIMITED = re.compile(r"\\boxed|(?<!\\)\$")
+_PROSE = re.compile(r"(?<![\\A-Za-z])[A-Za-z]{3,}")
+
+
+def _parse_gold(parse: Any, text: str, timeout: int | None) -> list[Any]:
+    """The reference as math-verify parses it. A bare LaTeX reference (MATH's ``3\\sqrt{13}``,
+    ``[1, 3]``, ``\\frac{\\pi}{2}``) is read inside ``\\boxed{}``, as verl does: math-verify
+    reads LaTeX only in ``\\boxed{}`` or ``$...$``, so bare ``3\\sqrt{13}`` would be its number
+    3, ``[1, 3]`` and ``2, 3`` would be 3, and ``\\sqrt{2}`` or ``x^2+1`` nothing. A reference
+    with its own ``\\boxed{}`` or ``$...$``, prose, or one the boxed form gives nothing for is
+    parsed as it is."""
+    if not _DELIMITED.search(text) and not _PROSE.search(text):
+        gold = parse(f"\\boxed{{{text}}}", parsing_timeout=timeout)
+        if gold:
+            return gold
+    return parse(text, parsing_timeout=timeout)
+
+
 def _import_math_verify() -> tuple[Any, Any]:
     try:
         from math_verify import parse, verify
@@ -211,7 +232,7 @@ def math_verify_scores(completions: list[str], answers: list[Any]) -> list[float
     timeout = 5 if threading.current_thread() is threading.main_thread() else None
     out: list[float | None] = []
     for completion, ref in zip(completions, answers):
-        gold = parse(_gold_text(ref), parsing_timeout=timeout)
+        gold = _parse_gold(parse, _gold_text(ref), timeout)
         if not gold or not _small_enough(gold):
             out.append(None)
             continue

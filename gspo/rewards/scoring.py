@@ -69,8 +69,18 @@ class RewardScorer:
 
     @classmethod
     def from_specs(cls, specs: Sequence[Any], weights: Sequence[float] = ()) -> RewardScorer:
+        """The functions ``specs`` name, with ``weights`` (empty: all 1.0). Each is known by its
+        spec or ``__name__``; a name given twice (two lambdas, two ``functools.partial`` of one
+        function, a spec listed twice) becomes ``name_2``, ``name_3``, ...: the values, weights
+        and failures are kept per name."""
         fns = [resolve_reward(s) for s in specs]
-        names = [s if isinstance(s, str) else getattr(s, "__name__", "reward") for s in specs]
+        names: list[str] = []
+        for s in specs:
+            name = s if isinstance(s, str) else getattr(s, "__name__", "reward")
+            base, k = name, 2
+            while name in names:
+                name, k = f"{base}_{k}", k + 1
+            names.append(name)
         return cls(fns, names, list(weights) or [1.0] * len(fns))
 
     def isolate(self, specs: Sequence[Any], *, memory_mb: int) -> None:

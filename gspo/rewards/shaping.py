@@ -66,7 +66,11 @@ def add_overlong(scorer: RewardScorer, *, max_tokens: int, buffer_tokens: int,
     """``scorer`` plus the overlong term (weight 1, logged as ``reward/overlong``). The
     trainer passes the sampled token counts (``RewardScorer(..., response_tokens=)``): the
     decoded text re-encoded can differ (EOS is dropped from the text, a byte that is not
-    UTF-8 decodes to U+FFFD, which encodes as several tokens)."""
+    UTF-8 decodes to U+FFFD, which encodes as several tokens). A reward function of
+    ``scorer`` already called ``overlong`` is a ValueError: the two would share one name."""
+    if OVERLONG in scorer.names:
+        raise ValueError(f"a reward function is named '{OVERLONG}', the name of the "
+                         "reward.overlong_buffer term; rename the function")
     fn = overlong_reward(max_tokens=max_tokens, buffer_tokens=buffer_tokens, tokenizer=tokenizer)
     return RewardScorer([*scorer.functions, fn], [*scorer.names, OVERLONG],
                         [*scorer.weights, 1.0])

@@ -60,7 +60,7 @@ from gspo.models.lean_forward import at_layer_boundaries
 from gspo.models.lora import is_peft
 from gspo.models.moe import capture_routing, merge_rollout_routing, replay_routing
 from gspo.models.twin import meta_twin
-from gspo.rollout.batch import Rollout, join_routing, pad_batch, share
+from gspo.rollout.batch import Rollout, join_replayed, join_routing, pad_batch, share
 from gspo.rollout.engine import EngineOptions, build_engine, engine_capabilities
 from gspo.rollout.multiturn import engine_sampler
 from gspo.rollout.sampler import SamplingParams
@@ -302,12 +302,8 @@ def merge_encoded(parts: list[dict[str, Any]]) -> dict[str, Any]:
     trainer = [p["trainer_logprobs"] for p in parts]
     out["trainer_logprobs"] = (None if any(t is None for t in trainer)
                                else [x for t in trainer for x in t])
-    # R3's replayed log-probs: a share without them (its pass's own routing was the one
-    # replayed) contributes its trainer log-probs, equal there
-    replayed = [p.get("replayed_logprobs") for p in parts]
-    out["replayed_logprobs"] = (None if all(r is None for r in replayed) else
-                                [x for r, t in zip(replayed, trainer)
-                                 for x in (r if r is not None else t)])
+    out["replayed_logprobs"] = join_replayed([p.get("replayed_logprobs") for p in parts],
+                                             trainer)
     masks = [p.get("model_mask") for p in parts]
     out["model_mask"] = None if any(m is None for m in masks) else [x for m in masks for x in m]
     # per-row means (multi-turn), row-weighted

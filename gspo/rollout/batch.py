@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
+
+Row = TypeVar("Row")
 
 
 @dataclass
@@ -67,11 +71,26 @@ class Rollout:
                        trainer_routing=self._select_routing(self.trainer_routing, idx),
                        replayed_logprobs=pick(self.replayed_logprobs))
 
-    def replayed_or_trainer_logprobs(self) -> list[torch.Tensor] | None:
-        """Per row, :attr:`replayed_logprobs` where present, else :attr:`trainer_logprobs`
-        (equal there: the replayed routing was the pass's own); for joining batches."""
-        return self.replayed_logprobs if self.replayed_logprobs is not None else (
-            self.trainer_logprobs)
+
+
+def join_replayed(replayed: Sequence[list[Row] | None], trainer: Sequence[list[Row] | None]
+                  ) -> list[Row] | None:
+    """R3's replayed log-probs (:attr:`Rollout.replayed_logprobs`) of consecutive batches
+    joined, from each batch's replayed and trainer log-probs (rows of any type: tensors, or
+    the lists of an encoded rollout): a batch without replayed ones contributes its trainer
+    log-probs (equal there: the replayed routing was its pass's own); None when no batch has
+    replayed ones.
+
+    Raises:
+        ValueError: a batch has neither, while another has replayed ones.
+    """
+    if all(r is None for r in replayed):
+        return None
+    per = [r if r is not None else t for r, t in zip(replayed, trainer, strict=True)]
+    if any(x is None for x in per):
+        raise ValueError("some batches have replayed_logprobs and some have no "
+                         "trainer_logprobs")
+    return [row for x in per if x is not None for row in x]
 
 
 def join_routing(records: list[list[torch.Tensor]], rows: list[int], *,

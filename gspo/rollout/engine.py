@@ -9,7 +9,9 @@ Engine classes are registered by name in :data:`ENGINES` (``rollout.engine`` pic
 class declares its capabilities before it starts (``declared_capabilities(opts)``: the trainer
 checks the config against them without starting, say, a vLLM server) and starts with
 ``start(model, tokenizer, opts)``. ``gspo.rollout`` registers ``hf``
-(:mod:`gspo.rollout.hf_engine`) and ``vllm`` (:mod:`gspo.rollout.vllm_engine`). Adding one:
+(:mod:`gspo.rollout.hf_engine`), ``vllm`` (:mod:`gspo.rollout.vllm_engine`) and ``llamacpp``
+(:mod:`gspo.rollout.llamacpp_engine`). Adding one (its name also goes in
+``RolloutConfig.engine``'s ``Literal``, see docs/architecture.md):
 
     @ENGINES.register("mine")
     class MyEngine:

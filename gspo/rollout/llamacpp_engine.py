@@ -15,7 +15,8 @@
 * Each prompt is prefilled once; its G samples reuse the prompt's KV cache (the context is
   rewound to the prompt's end between samples). Decoding runs one sequence at a time:
   llama-cpp-python's high-level ``Llama`` has no batched multi-sequence decode.
-* Llama-architecture policies only (``LlamaForCausalLM``: SmolLM2, tiny:llama); tokens go
+* Llama-architecture policies only (``LlamaForCausalLM``: SmolLM2, tiny:llama; RoPE plain,
+  linear or Llama 3.x's ``llama3``, whose factors go in the ``rope_freqs`` tensor); tokens go
   in and out as ids, the GGUF's vocabulary is the tokenizer's token list (never used to
   tokenise). No MoE routing (R3 is a config error), no LoRA sync.
 
@@ -86,6 +87,31 @@ def _tokenizer_fields(writer: Any, tokenizer: Any, model: Any) -> None:
             getattr(writer, f"add_{name}_token_id")(int(tid))
 
 
+# rope_type values whose rescaling is static, one factor per rotary frequency and no attention
+# scaling: llama.cpp divides each frequency by its ``rope_freqs`` entry (Llama 3.x: "llama3")
+STATIC_ROPE = ("linear", "llama3")
+
+
+def _rope_factors(model: Any, theta: float, head_dim: int) -> np.ndarray | None:
+    """llama.cpp's ``rope_freqs`` for a model whose rotary frequencies are rescaled (Llama
+    3.x's ``rope_type: llama3``): unscaled frequency / the model's own, per frequency (what
+    ``convert_hf_to_gguf.py`` writes for llama3); None for plain RoPE. Rescalings that depend
+    on the length or scale the attention (dynamic, YaRN, ...) are refused."""
+    cfg = model.config
+    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return None
+    rotary = model.model.rotary_emb
+    if kind not in STATIC_ROPE or float(getattr(rotary, "attention_scaling", 1.0)) != 1.0:
+        raise NotImplementedError(f"rollout.engine=llamacpp: the GGUF export covers plain, "
+                                  f"linear and llama3 RoPE, not rope_type={kind!r}; use "
+                                  "rollout.engine=hf")
+    # the unscaled frequencies as transformers computes them (float32), so unscaled ones give 1
+    plain = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    return (plain / rotary.inv_freq.detach().float().cpu()).numpy()
+
+
 @torch.no_grad()
 def export_gguf(model: Any, tokenizer: Any, path: str | Path) -> Path:
     """Write ``model`` (a Hugging Face Llama) to ``path`` as a GGUF with Q8_0 matrices."""
@@ -112,9 +138,10 @@ def export_gguf(model: Any, tokenizer: Any, path: str | Path) -> Path:
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(head_dim)
-    writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]
-                                    if getattr(cfg, "rope_parameters", None)
-                                    else cfg.rope_theta))
+    theta = float(cfg.rope_parameters["rope_theta"] if getattr(cfg, "rope_parameters", None)
+                  else cfg.rope_theta)
+    writer.add_rope_freq_base(theta)
+    factors = _rope_factors(model, theta, head_dim)
     writer.add_layer_norm_rms_eps(float(cfg.rms_norm_eps))
     writer.add_vocab_size(cfg.vocab_size)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
@@ -137,6 +164,8 @@ def export_gguf(model: Any, tokenizer: Any, path: str | Path) -> Path:
             writer.add_tensor(f"{name}.{suffix}", gguf.quants.quantize(w, q8), raw_dtype=q8)
         else:
             writer.add_tensor(f"{name}.{suffix}", np.ascontiguousarray(w, dtype=np.float32))
+    if factors is not None:  # one tensor for every layer, as convert_hf_to_gguf.py writes it
+        writer.add_tensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", factors)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from gspo.rollout import Rollout
-from gspo.rollout.batch import join_routing
+from gspo.rollout.batch import join_replayed, join_routing
 from gspo.rollout.multiturn import episode_metrics
 
 __all__ = ["Draw", "DynamicBatch", "ZeroSignalWatch", "collect", "concat_rollouts",
@@ -71,15 +71,6 @@ def concat_rollouts(rolls: list[Rollout]) -> Rollout:
         return None if per is None else join_routing(per, [len(r) for r in rolls],
                                                       complete=name == "trainer_routing")
 
-    def replayed() -> list[Tensor] | None:  # absent from a batch: its trainer_logprobs
-        if all(r.replayed_logprobs is None for r in rolls):
-            return None
-        per = [r.replayed_or_trainer_logprobs() for r in rolls]
-        if any(x is None for x in per):
-            raise ValueError("concat_rollouts: some rollouts have replayed_logprobs and some "
-                             "have no trainer_logprobs")
-        return [row for x in per for row in x]
-
     mask = rows("model_mask")
     return Rollout([p for r in rolls for p in r.prompt_ids],
                    [y for r in rolls for y in r.response_ids],
@@ -90,7 +81,8 @@ def concat_rollouts(rolls: list[Rollout]) -> Rollout:
                    model_mask=mask, versions=rows("versions"),
                    trainer_logprobs=rows("trainer_logprobs"),
                    trainer_routing=routing("trainer_routing"),
-                   replayed_logprobs=replayed())
+                   replayed_logprobs=join_replayed([r.replayed_logprobs for r in rolls],
+                                                   [r.trainer_logprobs for r in rolls]))
 
 
 @dataclass

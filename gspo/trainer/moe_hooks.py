@@ -1,6 +1,7 @@
 """The policy's MoE side of a training step, as one object: :class:`MoEHooks` for a supported
 Mixture-of-Experts policy, :data:`NO_MOE` (a :class:`PolicyHooks`, every method a no-op) for a
-dense one.
+dense one, and for an MoE family that :mod:`gspo.models.moe` has no adapter for (its routers
+cannot be hooked: it trains without routing metrics and replay).
 
 What it covers, phase by phase:
 
@@ -29,8 +30,10 @@ import torch
 
 from gspo.config import ConfigError, MoEConfig
 from gspo.models.moe import (
+    SUPPORTED_MOE,
     capture_routing,
     expert_change,
+    has_routers,
     is_moe,
     load_balancing_loss,
     merge_rollout_routing,
@@ -85,7 +88,10 @@ class PolicyHooks:
         stats that are not a mean over rows (every rank calls it, the same number of times)."""
         return {}
 
-    def step_metrics(self, stats: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+    def step_metrics(self, stats: list[dict[str, torch.Tensor]],
+                     counts: list[dict[str, float]] | None = None) -> dict[str, float]:
+        """Metrics over the step's minibatch ``stats`` (``counts``: each one's, as
+        :func:`gspo.trainer.metrics.mean_stats` takes them)."""
         return {}
 
 
@@ -193,29 +199,48 @@ class MoEHooks(PolicyHooks):
                                             all_reduce=all_reduce))
         return stats
 
-    def step_metrics(self, stats: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+    def step_metrics(self, stats: list[dict[str, torch.Tensor]],
+                     counts: list[dict[str, float]] | None = None) -> dict[str, float]:
         """``moe/routing_change_after_update``: the routing change over the minibatches that run
         after at least one optimizer step on their rollout batch (the first one always
-        measures 0)."""
+        measures 0). Given ``counts``, a minibatch without a valid row adds nothing (its stats
+        are placeholders), as in :func:`gspo.trainer.metrics.mean_stats`."""
         if len(stats) < 2 or _CHANGE not in stats[0]:
             return {}
         keys = [k for k in stats[0] if k.startswith((_CHANGE, _EXPERTS))]
+        after = [s for i, s in enumerate(stats[1:], 1)
+                 if counts is None or counts[i]["rows"] > 0]
+        if not after:
+            return {f"{k}_after_update": 0.0 for k in keys}
         return {f"{k}_after_update": float(torch.stack(
-            [s[k].detach().float() for s in stats[1:]]).mean()) for k in keys}
+            [s[k].detach().float() for s in after]).mean()) for k in keys}
 
 
 def policy_hooks(model: Any, cfg: MoEConfig, caps: EngineCapabilities, *,
                  engine: str = "", name: str = "the policy") -> PolicyHooks:
     """The hooks for ``model``: :class:`MoEHooks` for a supported MoE policy, :data:`NO_MOE`
-    for a dense one; MoE options on a dense model, or R3 with an engine that cannot record
-    routing, are a :class:`ConfigError` (``engine``, ``name``: the engine's and the model's
-    names, for the message)."""
+    for a dense one and for an MoE family without an adapter in :mod:`gspo.models.moe` (it
+    trains like a dense policy: no routing metrics, no replay); MoE options on a dense model,
+    options that hook the routers (replay, aux loss, router lr) on an MoE family without an
+    adapter, or R3 with an engine that cannot record routing, are a :class:`ConfigError`
+    (``engine``, ``name``: the engine's and the model's names, for the message)."""
     if not is_moe(model):
         if (cfg.routing_replay != "off" or cfg.aux_loss_coef > 0 or cfg.router_lr_scale != 1
                 or not cfg.log_routing_change):
             raise ConfigError("moe.routing_replay / moe.aux_loss_coef / moe.router_lr_scale / "
                               f"moe.log_routing_change need a Mixture-of-Experts model; {name} "
                               "is dense")
+        return NO_MOE
+    if not has_routers(model):
+        asked = [opt for opt, on in (
+            (f"moe.routing_replay={cfg.routing_replay}", cfg.routing_replay != "off"),
+            (f"moe.aux_loss_coef={cfg.aux_loss_coef:g}", cfg.aux_loss_coef > 0),
+            (f"moe.router_lr_scale={cfg.router_lr_scale:g}", cfg.router_lr_scale != 1)) if on]
+        if asked:
+            family = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+            raise ConfigError(f"{', '.join(asked)}: {name} is a Mixture-of-Experts model of "
+                              f"family '{family}', whose routers gspo cannot hook (supported: "
+                              f"{', '.join(sorted(SUPPORTED_MOE))})")
         return NO_MOE
     if cfg.routing_replay == "r3" and caps.routing_unsupported:
         raise ConfigError("moe.routing_replay=r3 needs rollout-recorded routing, which "

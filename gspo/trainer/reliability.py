@@ -10,6 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from gspo.config import GuardConfig
 from gspo.trainer.guard import Guard, roll_back
 from gspo.trainer.run_logs import RewardErrorLog
@@ -28,12 +30,33 @@ class Reliability:
         self.checkpoints = run_dir / "checkpoints"
         self.restored_step: int | None = None  # the step of the last rollback's checkpoint
 
-    def report_reward_errors(self, step: int, errors: dict[str, str]) -> None:
+    def report_reward_errors(self, step: int, errors: dict[str, str], dist: Any = None, *,
+                             agreed: bool = True) -> None:
         """Print (once per function and run) the last line of each reward function's first
-        error; the full traceback goes to the reward error log."""
-        for name in self.reward_log.update(step, errors):
-            last = (errors[name].strip().splitlines() or ["?"])[-1]
-            print(f"reward function '{name}' failed at step {step}: {last} "
+        error; the full traceback goes to the reward error log.
+
+        ``dist``: under torchrun each rank scores its own rows, so each has its own first
+        errors: rank 0 writes and prints each function's once, the lowest rank's, naming that
+        rank (collectives: every rank calls this alike). ``agreed=False`` where the ranks may
+        not all be here (this rank's step raised an error the others may not have): no
+        collective, and rank 0 reports its own errors only."""
+        new = {n: e for n, e in errors.items() if n not in self.reward_log.logged}
+        ranks: dict[str, int] = {}
+        if dist is not None and dist.enabled:
+            if agreed and dist.all_reduce(torch.tensor([float(len(new))]), "max").item() > 0:
+                for rank, share in enumerate(dist.gather_objects(new)):
+                    for name, error in share.items():
+                        if name not in ranks:
+                            new[name], ranks[name] = error, rank
+            else:
+                ranks = dict.fromkeys(new, dist.rank)
+            if not dist.is_main:  # rank 0 logs them
+                self.reward_log.logged.update(new)
+                return
+        for name in self.reward_log.update(step, new, ranks):
+            last = (new[name].strip().splitlines() or ["?"])[-1]
+            where = f" on rank {ranks[name]}" if name in ranks else ""
+            print(f"reward function '{name}' failed at step {step}{where}: {last} "
                   f"(traceback: {self.reward_log.path})", flush=True)
 
     def respond(self, reason: str, step: int, model: Any, optimizer: Any,

@@ -26,14 +26,17 @@ class RewardErrorLog:
         self.logged = set(self.HEADER.findall(self.path.read_text())) if self.path.is_file() \
             else set()
 
-    def update(self, step: int, first_errors: dict[str, str]) -> list[str]:
-        """Write the errors not logged yet; returns the names written."""
+    def update(self, step: int, first_errors: dict[str, str],
+               ranks: dict[str, int] | None = None) -> list[str]:
+        """Write the errors not logged yet; returns the names written. ``ranks``: under
+        torchrun, the rank whose rows each error comes from (named in its header)."""
         new = [n for n in first_errors if n not in self.logged]
         if new:
             with open(self.path, "a") as fh:
                 for name in new:
-                    fh.write(f"== reward function '{name}' first failed at step {step} ==\n"
-                             f"{first_errors[name].rstrip()}\n\n")
+                    where = f" on rank {ranks[name]}" if ranks and name in ranks else ""
+                    fh.write(f"== reward function '{name}' first failed at step {step}{where} "
+                             f"==\n{first_errors[name].rstrip()}\n\n")
             self.logged.update(new)
         return new
 

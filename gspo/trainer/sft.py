@@ -37,6 +37,9 @@ from gspo.trainer.evaluate import evaluate
 SFT_FORMAT = 1
 """Version of the recipe below; part of the cache key, so a changed recipe rebuilds the cache."""
 _NOT_IN_KEY = ("num_threads", "eval_size")  # fields that do not change the trained weights
+# Fields no longer in SFTConfig, at the value every cache was keyed with: ``fused`` (never read;
+# the recipe's AdamW was never the fused kernel), kept so that existing caches stay valid.
+_KEY_OF_REMOVED = {"fused": True}
 _QUESTION = re.compile(r"What is (.+)\? Answer with a number\.")
 
 
@@ -50,7 +53,7 @@ def response_text(ex: Example) -> str:
 
 def config_hash(cfg: SFTConfig) -> str:
     data = {k: v for k, v in to_dict(cfg).items() if k not in _NOT_IN_KEY}
-    blob = json.dumps({"format": SFT_FORMAT, **data}, sort_keys=True)
+    blob = json.dumps({"format": SFT_FORMAT, **_KEY_OF_REMOVED, **data}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 

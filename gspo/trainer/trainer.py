@@ -31,6 +31,7 @@ from gspo.config import (
     LoggingConfig,
     RolloutConfig,
     TrainConfig,
+    check_task_columns,
     to_dict,
     validate,
 )
@@ -203,6 +204,8 @@ class Trainer:
             cfg = dataclasses.replace(cfg, reward=dataclasses.replace(cfg.reward,
                                                                       functions=names))
         validate(cfg)  # a TrainConfig built in Python has not been checked yet
+        if train_dataset is None:  # the problems come from task.name
+            check_task_columns(cfg.task)
         self.cfg = cfg
         self.objective = objective_from_config(cfg.objective)  # an unused option: ConfigError
         self.reward_specs = reward_fns or cfg.reward.functions
@@ -510,9 +513,12 @@ class Trainer:
                 f"resume: the checkpoint's data position does not fit task.name="
                 f"{self.cfg.task.name} ({type(e).__name__}: {e}); resume with the run's own "
                 f"config: gspo train resume={self.cfg.resume}") from None
+        configured = [{k: v for k, v in g.items() if k != "params"}
+                      for g in self.optimizer.param_groups]
         distributed.load_optimizer_state(self.model, self.optimizer, optim_state["optimizer"],
                                          self.dist)
         self.scheduler.load_state_dict(optim_state["scheduler"])
+        self._keep_configured_hyperparameters(configured)
         torch.set_rng_state(optim_state["torch_rng"])
         if optim_state.get("cuda_rng") is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(optim_state["cuda_rng"])
@@ -529,6 +535,21 @@ class Trainer:
         # a resume that fails above leaves the run folder as it was).
         truncate_logs(self.run_dir, state.get("log_sizes", {}))
         return state.get("guard")
+
+    def _keep_configured_hyperparameters(self, configured: list[dict[str, Any]]) -> None:
+        """After the checkpoint's optimizer and schedule state are loaded: the resumed run's
+        ``optim.*`` values apply (loading put back the saved run's ``betas``, ``weight_decay``
+        and learning rate, and ``config.yaml`` records the new ones). ``configured``: each
+        parameter group's hyperparameters before loading. The learning rate keeps its place in
+        the schedule and any ``guard.on_fault=lower_lr`` factor: it is scaled by the ratio of
+        the configured base rate to the saved one (1 when ``optim.lr`` is unchanged)."""
+        groups = self.optimizer.param_groups
+        for i, (group, want) in enumerate(zip(groups, configured)):
+            scale = want["initial_lr"] / group.get("initial_lr", want["initial_lr"])
+            group.update({k: v for k, v in want.items() if k != "lr"})
+            group["lr"] *= scale
+            self.scheduler.base_lrs[i] *= scale
+        self.scheduler._last_lr = [group["lr"] for group in groups]
 
     def save_checkpoint(self) -> Path:
         guard = self.reliability.guard
@@ -741,8 +762,11 @@ class Trainer:
         and for MoE policies (their routing; async: the engine process records the behaviour
         policy's, see :meth:`_behaviour_routing`), else on measuring steps (async: only then,
         and it measures the staleness drift)."""
-        return (self._old_is_current() or (self.hooks.active and not self._behaviour_routing())
-                or self._measuring_step(self.step))
+        return self._recompute_old_always() or self._measuring_step(self.step)
+
+    def _recompute_old_always(self) -> bool:
+        """Whether every step runs the trainer's π_old pass (see :meth:`_recompute_old`)."""
+        return self._old_is_current() or (self.hooks.active and not self._behaviour_routing())
 
     def _measuring_step(self, step: int) -> bool:
         """Whether ``step`` runs the passes that measure the engine against the trainer (the
@@ -765,6 +789,14 @@ class Trainer:
             raise ConfigError(f"logging.rollout_check_every={every}: this run recomputes π_old "
                               f"on every step ({why}), so it is unused; it applies to "
                               "objective.old_logprobs=rollout and to rollout.async_steps > 0")
+        floor = cfg.guard.collapse_entropy_floor
+        if floor and not (self._recompute_old_always() or every or cfg.logging.drift_every):
+            raise ConfigError(f"guard.collapse_entropy_floor={floor}: train/entropy comes from "
+                              "the trainer's π_old pass, which this run never runs "
+                              f"(objective.old_logprobs={cfg.objective.old_logprobs}, "
+                              f"rollout.async_steps={cfg.rollout.async_steps}, "
+                              "logging.rollout_check_every=0, logging.drift_every=0); set "
+                              "logging.rollout_check_every > 0")
         if not self.task.eval_examples:
             for key, value, default in (
                     ("eval_every", cfg.eval_every, TrainConfig.eval_every),
@@ -864,7 +896,7 @@ class Trainer:
             **roll.extras,
             **{k: float(v) for k, v in group_stats(rewards, roll.group_size).items()},
             **mean_stats(result.stats, stat_kinds(self.objective, self.hooks), result.counts),
-            **self.hooks.step_metrics(result.stats),
+            **self.hooks.step_metrics(result.stats, result.counts),
             **rollout_metrics(roll, padded, old.entropy, gap, timer.seconds,
                               self.cfg.objective.epochs, self.dist,
                               sampled_tokens=sampled_tokens),
@@ -1075,7 +1107,8 @@ class Trainer:
                 and self.baseline_eval is None):
             failures = dict(self.scorer.failures)
             self.baseline_eval = self.evaluate()
-            self.reliability.report_reward_errors(0, self.scorer.first_errors)
+            self.reliability.report_reward_errors(0, self.scorer.first_errors,
+                                                  self.dist)
             broken = self.scorer.failed_on_all(failures, len(self.task.eval_examples))
             if broken:  # a reward that cannot score anything: say why now, not after a step
                 raise RewardError(f"every held-out response was unscorable before training "
@@ -1110,10 +1143,16 @@ class Trainer:
         """One step of the loop: train_step, then the guard, logging and checkpointing."""
         cfg = self.cfg
         failures = dict(self.scorer.failures)
+        agreed = False  # whether every rank comes to the report below (collectives there)
         try:
             metrics = self.train_step()
-        finally:  # also when the step raises (e.g. too many unscorable responses)
-            self.reliability.report_reward_errors(self.step + 1, self.scorer.first_errors)
+            agreed = True
+        except RewardError:  # too many unscorable responses: every rank raises it alike
+            agreed = True
+            raise
+        finally:  # also when the step raises
+            self.reliability.report_reward_errors(self.step + 1, self.scorer.first_errors,
+                                                  self.dist, agreed=agreed)
         self.step += 1
         self.final_eval = None
         # each rank scored its own rows: the step's failures are the sum over ranks
@@ -1133,6 +1172,8 @@ class Trainer:
             tqdm.write(warning)
         if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < cfg.steps:
             metrics.update({f"eval/{k}": v for k, v in self.evaluate().items()})
+            self.reliability.report_reward_errors(self.step, self.scorer.first_errors,
+                                                  self.dist)  # the evaluation's own
         self.logger.log(self.step, metrics)
         if (cfg.logging.samples_every and self.step % cfg.logging.samples_every == 0
                 and self.dist.is_main and self.last_samples is not None):
@@ -1166,6 +1207,8 @@ class Trainer:
     def _finish(self) -> dict[str, Any]:
         if self.final_eval is None:  # else restored with the final checkpoint: already logged
             self.final_eval = self.evaluate() if self.task.eval_examples else {}
+            self.reliability.report_reward_errors(self.step, self.scorer.first_errors,
+                                                  self.dist)
             if self.final_eval:
                 self.logger.log(self.step, {f"eval/{k}": v for k, v in self.final_eval.items()})
             if self.cfg.save_final:

@@ -53,6 +53,8 @@ def test_shipped_comparison_loads_with_the_paper_arms():
     (good(seeds=[1, 1]), "seeds: expected a non-empty list of distinct"),
     (good(arms={}), "arms: expected a non-empty mapping"),
     (good(arms={"a b": {}}), "arm name 'a b'"),
+    # its runs would be the routing probes' folders (probe_s<seed>): it failed after a run
+    (good(arms={"probe": {}}), "arm name 'probe' is taken"),
     (good(arms={"a": {"overides": []}}), "arms.a: unknown key 'overides'"),
     (good(arms={"a": {"overrides": "objective.name=grpo"}}), "expected a list of key=value"),
     (good(arms={"a": {"overrides": ["objective.name"]}}), "'objective.name' is not key=value"),

@@ -358,3 +358,30 @@ def test_an_out_folder_that_cannot_be_made_fails_before_the_first_run(tmp_path, 
                  str(tmp_path / "out")]) == 2
     assert "--runs" in one_error_line(capsys)
     assert fake_runs == [] and not (tmp_path / "out").exists()
+
+
+def test_a_partial_report_counts_each_missing_seed_and_each_seed_start_once(tmp_path):
+    """``scripts/compare_report.py --partial``: arm a lacks seed 2. Its cells say n=2/3 (they
+    read as over every seed), and the accuracy before training, shared by every arm, is one
+    value per seed: it used to be the first three runs' (seeds 0, 1 of a, then seed 0 of b)."""
+    from gspo.analysis.report import _start_text
+
+    runs: dict[str, dict[int, Path]] = {"a": {}, "b": {}}
+    for arm in ("a", "b"):
+        for seed, before in zip((0, 1, 2), (0.25, 0.5, 0.75)):
+            if arm == "a" and seed == 2:
+                continue
+            runs[arm][seed] = tmp_path / f"{arm}_s{seed}"
+            _fake_run(runs[arm][seed], [{"step": 1, "reward/mean": 0.1 * seed,
+                                         "time/rollout_s": 1.0}],
+                      {"wall_s": 60.0, "before": {"accuracy": before}, "after": None})
+    spec = SimpleNamespace(path=tmp_path / "x.yaml", seeds=[0, 1, 2],
+                           arms=[Arm("a", "A", []), Arm("b", "B", [])])
+    summary = summarize(spec, runs, {})
+    assert (summary["arms"]["a"]["stats"]["final_reward"]["n"],
+            summary["arms"]["a"]["stats"]["final_reward"]["of"]) == (2, 3)
+    table = markdown_table(summary).splitlines()
+    assert "0.050 ± 0.071 (n=2/3)" in table[2] and "(n=" not in table[3]
+    text = _start_text(summary)
+    assert "held-out accuracy 0.500 ± 0.250." in text, text  # seeds 0, 1, 2 once each
+    assert "mean training reward (`reward/mean`, as the final reward)" in text

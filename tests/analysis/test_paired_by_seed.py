@@ -138,3 +138,21 @@ def test_control_sets_each_gap_against_the_same_arms_elsewhere(tmp_path, capsys)
     _run(tmp_path / "other" / "y_s9", [0.5], reward=0.5)
     with pytest.raises(SystemExit, match=r"--control .*: no seed in common"):
         main([str(here), "x", "y", "--windows", "1-20", "--control", str(tmp_path / "other")])
+
+
+def test_reward_windows_are_per_sampled_response_under_dynamic_sampling(tmp_path, capsys):
+    """With dynamic sampling ``reward/mean`` is over the groups kept (those with reward
+    variance); the windows are "reward per sampled response": ``dynamic/sampled_reward_mean``.
+    Arm x samples dynamically (kept groups 0.5, every sampled response 0.1), arm y does not
+    (0.3): the table used to say x is 0.2 above y."""
+    for seed in range(2):
+        for arm, row in (("x", {"reward/mean": 0.5, "dynamic/sampled_reward_mean": 0.1}),
+                         ("y", {"reward/mean": 0.3})):
+            folder = tmp_path / f"{arm}_s{seed}"
+            folder.mkdir()
+            (folder / "metrics.jsonl").write_text(
+                "".join(json.dumps({"step": s, **row}) + "\n" for s in range(1, 11)))
+    main = runpy.run_path(str(SCRIPT), run_name="not_main")["main"]
+    main([str(tmp_path), "x", "y", "--windows", "1-10"])
+    row = next(x for x in capsys.readouterr().out.splitlines() if "steps 1–10" in x)
+    assert "| 0.100 | 0.300 | -0.200 ± 0.000 | 0 of 2 |" in row, row

@@ -143,3 +143,30 @@ def test_a_damaged_metrics_file_is_an_error_naming_the_line(tmp_path):
     (run / "metrics.jsonl").write_bytes(b'{"step": 1}\n\xff\xfe\n')
     with pytest.raises(DataError, match="not UTF-8"):
         read_metrics(run)
+
+
+def test_the_compare_reward_figure_draws_reward_per_sampled_response(tmp_path) -> None:
+    """The report's reward figure is titled "Mean reward per sampled response": under dynamic
+    sampling that is ``dynamic/sampled_reward_mean`` (also the dropped groups' responses), not
+    ``reward/mean`` (only the groups kept, those with reward variance), which it used to draw."""
+    import yaml
+
+    from gspo.analysis.report_plots import FIGURES, band
+
+    stem, _, panels = FIGURES[0]
+    key, title = panels[0][:2]
+    assert (stem, title) == ("reward", "Mean reward per sampled response")
+    runs = {}
+    for seed, sampled in ((0, 0.2), (1, 0.4)):
+        d = tmp_path / f"s{seed}"
+        d.mkdir()
+        (d / "config.yaml").write_text(yaml.safe_dump(
+            {"rollout": {"prompts_per_step": 2, "group_size": 8}}))
+        rows = [{"step": 1, "reward/mean": 0.5, "dynamic/sampled_reward_mean": sampled,
+                 "dynamic/responses_sampled": 32},
+                {"step": 2, "reward/mean": 0.75}]  # every group kept: no dynamic/* logged
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        runs[seed] = d
+    xs, mean, lo, hi = band(runs, key, {})
+    assert xs == [32.0, 48.0]
+    assert mean == pytest.approx([0.3, 0.75]) and lo == [0.2, 0.75] and hi == [0.4, 0.75]

@@ -39,6 +39,16 @@ def test_jsonl_and_records_pass_every_column_under_its_own_name(tmp_path):
         assert rows[3].columns == {"larger": 8, "a": 3}
 
 
+def test_a_column_only_some_rows_have_is_none_in_the_others(tmp_path):
+    # A batch's columns are its first row's: without the column filled in, a batch starting
+    # with a row that lacks it gave the rewards no such column for any of its rows.
+    rows = [{"prompt": f"p{i}", "answer": i, **({"hint": f"h{i}"} if i % 2 else {})}
+            for i in range(4)]
+    for examples in (load_jsonl(str(_jsonl(tmp_path, rows))), records_to_examples(rows)):
+        assert [ex.columns for ex in examples] == [{"hint": None}, {"hint": "h1"},
+                                                   {"hint": None}, {"hint": "h3"}]
+
+
 def test_the_default_answer_column_is_not_duplicated():
     rows = records_to_examples([{"prompt": "p", "answer": 4, "tests": ["t"]}])
     assert rows[0].answer == "4" and rows[0].columns == {"tests": ["t"]}

@@ -199,3 +199,29 @@ def test_an_adapted_output_layer_counts_in_the_logprobs_and_trains():
     grads = {n: p.grad for n, p in model.named_parameters() if "lm_head.lora_" in n}
     assert len(grads) == 2 and all(g is not None and bool(g.abs().sum() > 0)
                                    for g in grads.values())
+
+
+def test_adapting_tied_input_embeddings_is_refused():
+    """Tied input embeddings (tiny llama's) were adapted: the policy's output layer reads the
+    base weight only, but merging the adapter (gspo export, merged_weights for vLLM) changed
+    the shared weight, so the output layer too: the exported model's logits were 15 away from
+    the trained policy's. Refused, as an adapted tied output layer is; untied ones merge."""
+    from gspo.models.loading import ModelError
+    from gspo.models.lora import merged_weights
+
+    tied, _ = build_tiny("llama", seed=0)
+    with pytest.raises(ModelError, match=r"adapts the input embeddings model\.embed_tokens"):
+        apply_lora(tied, LoRAConfig(r=4, target_modules=["q_proj", "embed_tokens"]))
+    model, _ = build_tiny("qwen3_moe", seed=0)
+    model = apply_lora(model, LoRAConfig(r=4, target_modules=["q_proj", "embed_tokens"]))
+    perturb(model)
+    for name, p in model.named_parameters():  # an embedding adapter starts with A = 0
+        if "embed_tokens.lora_embedding_A" in name:
+            with torch.no_grad():
+                p.normal_()
+    plain, _ = build_tiny("qwen3_moe", seed=0)
+    plain.load_state_dict(dict(merged_weights(model)))
+    ids, mask, _ = batch()
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask).logits
+        assert torch.allclose(plain(input_ids=ids, attention_mask=mask).logits, want, atol=1e-4)

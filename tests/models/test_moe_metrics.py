@@ -84,6 +84,20 @@ def test_expert_change_hand_values() -> None:
     assert routing_change(old, new)["per_layer"].tolist() == pytest.approx([2 / 3])
 
 
+def test_expert_change_weights_are_weights_whatever_their_sum() -> None:
+    """Float mask values are weights (as in routing_change): scaling them changes nothing,
+    also when they sum to less than 1 (the sum was clamped to 1, halving this share)."""
+    old = [torch.tensor([[0, 1], [2, 3]])]
+    new = [torch.tensor([[4, 5], [2, 7]])]  # both replaced; one of two replaced
+    want = [(1.0 * 0.2 + 0.5 * 0.05) / 0.25]
+    for scale in (1.0, 4.0, 40.0):
+        weights = torch.tensor([0.2, 0.05]) * scale
+        assert expert_change(old, new, weights).tolist() == pytest.approx(want)
+    first, quarter = [old[0][:1]], torch.tensor([0.25])  # one token, every expert replaced
+    assert expert_change(first, [new[0][:1]], quarter).tolist() == [1.0]
+    assert routing_change(first, [new[0][:1]], quarter)["per_layer"].tolist() == [1.0]
+
+
 @pytest.mark.parametrize("k", [1, 2, 3])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_metrics_are_bit_identical_to_the_formulas_they_replaced(k: int, seed: int) -> None:

@@ -19,6 +19,30 @@ def test_math_verify_matches_equivalent_forms():
     assert fn([""] * 7, completions, answer=answers) == [1.0, 1.0, 1.0, 0.0, 0.0, 1.0, None]
 
 
+@pytest.mark.parametrize("answer, right, wrong", [
+    # MATH-style references are bare LaTeX: read them as such (inside \\boxed{}, as verl does)
+    ("3\\sqrt{13}", "\\boxed{3\\sqrt{13}}", "\\boxed{3}"),
+    ("[1, 3]", "\\boxed{[1,3]}", "\\boxed{3}"),
+    ("2, 3", "\\boxed{2, 3}", "\\boxed{3}"),
+    ("\\sqrt{2}", "\\boxed{\\sqrt{2}}", "\\boxed{2}"),
+    ("x^2+1", "\\boxed{x^2+1}", "\\boxed{x^2}"),
+    ("\\frac{\\pi}{2}", "\\boxed{\\frac{\\pi}{2}}", "\\boxed{\\pi}"),
+    ("\\dfrac{1}{2}", "The answer is \\boxed{0.5}", "\\boxed{2}"),
+    ("\\$18.90", "\\boxed{18.90}", "\\boxed{18}"),
+    # what was read right before still is: numbers, prose with units, $...$, \\boxed{}
+    ("1,000", "\\boxed{1000}", "\\boxed{1}"),
+    ("-5", "so x = -5", "\\boxed{5}"),
+    ("18 dollars", "\\boxed{18}", "\\boxed{8}"),
+    ("The answer is $5$ apples", "\\boxed{5}", "\\boxed{4}"),
+    ("\\boxed{7}", "\\boxed{7}", "\\boxed{1}"),
+])
+def test_math_verify_reads_a_bare_latex_reference(answer, right, wrong):
+    pytest.importorskip("math_verify")
+    from gspo.rewards.math import math_verify_scores
+
+    assert math_verify_scores([right, wrong], [answer, answer]) == [1.0, 0.0]
+
+
 def test_boxed_format_and_last_boxed():
     assert last_boxed("a \\boxed{1} then \\boxed{\\frac{1}{2}} end") == "\\frac{1}{2}"
     assert last_boxed("\\boxed{2} and \\boxed{3") == "2"  # unclosed last one: the one before
@@ -86,3 +110,13 @@ def test_overlong_reward_counts_tokens():
     assert scorer.weights == [1.0, 1.0] and scorer.names == ["numeric_match", "overlong"]
     with pytest.raises(ValueError):
         overlong_reward(max_tokens=8, buffer_tokens=0)
+
+
+def test_a_reward_named_overlong_is_refused_by_add_overlong():
+    # it shared the term's name: the total counted the term twice and the function not at
+    # all, and evaluation (without_overlong) dropped the function
+    def overlong(prompts, completions, **_):
+        return [5.0] * len(completions)
+
+    with pytest.raises(ValueError, match="named 'overlong'"):
+        add_overlong(RewardScorer.from_specs([overlong]), max_tokens=10, buffer_tokens=4)

@@ -44,6 +44,13 @@ def nm(completion: str, answer: str) -> float | None:
     ("seven", "7", 0.0),
     ("answer: 12\n", "12", 1.0),
     ("x=12x", "12", 1.0),
+    # a comma separates thousands only between groups of three digits
+    ("The roots are 2,3", "23", 0.0),
+    ("The roots are 2,3", "3", 1.0),
+    ("at (4,5)", "45", 0.0),
+    ("1,234.5", "1234.5", 1.0),
+    ("it costs 1,000, not 900", "900", 1.0),
+    ("it costs 1,000.", "1000", 1.0),
 ])
 def test_numeric_match(completion, answer, expected):
     assert nm(completion, answer) == expected
@@ -164,6 +171,28 @@ def test_scorer_weighted_sum():
     assert per_fn["const_0.5"] == [0.5, 0.5, 0.5]
     assert total == pytest.approx([1.5, -0.5, -0.5])
     assert scorer.failures == {} and scorer.first_errors == {}
+
+
+def test_two_rewards_with_one_name_are_each_weighted_once():
+    # Two lambdas (or partials of one function) share a __name__: each keeps its own values
+    # and weight (the second used to overwrite the first: 10 + 10 instead of 1 + 10, and a
+    # logged weight-0 function was trained on).
+    import functools
+
+    def scaled(prompts, completions, scale, **_):
+        return [scale] * len(completions)
+
+    scorer = RewardScorer.from_specs([lambda p, c, **_: [1.0] * len(c),
+                                      lambda p, c, **_: [10.0] * len(c)])
+    total, per_fn = scorer(["p"], ["c"], {})
+    assert scorer.names == ["<lambda>", "<lambda>_2"] and total == [11.0]
+    assert per_fn == {"<lambda>": [1.0], "<lambda>_2": [10.0]}
+    scorer = RewardScorer.from_specs([functools.partial(scaled, scale=1.0),
+                                      functools.partial(scaled, scale=3.0)], [1.0, 0.0])
+    assert scorer(["p"], ["c"], {})[0] == [1.0]
+    scorer = RewardScorer.from_specs(["numeric_match"] * 3, [1.0, 2.0, 4.0])
+    assert scorer.names == ["numeric_match", "numeric_match_2", "numeric_match_3"]
+    assert scorer(["p"], ["7"], {"answer": ["7"]})[0] == [7.0]
 
 
 def test_scorer_default_weights_and_columns_passed():

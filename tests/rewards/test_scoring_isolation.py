@@ -134,6 +134,35 @@ def test_failures_are_counted_per_function_and_logged_once(tmp_path, capsys):
     assert out.count("reward function 'flaky' failed at step 2: ValueError") == 1
 
 
+@pytest.mark.parametrize("extra, fails_from, step", [
+    (["steps=1"], 2, 1),  # call 1: step 1's rollout; call 2: the final evaluation
+    (["steps=3", "eval_every=2"], 3, 2),  # calls 1, 2: steps 1, 2; call 3: the eval after 2
+])
+def test_a_reward_failing_in_an_evaluation_is_logged_at_its_step(tmp_path, capsys, extra,
+                                                                 fails_from, step):
+    """A reward function that first fails on held-out responses (the final evaluation, or an
+    ``eval_every`` one) is printed and logged like one failing in a step, at the step the
+    evaluation follows (the final one's was never reported)."""
+    calls = {"n": 0}
+
+    def flaky(prompts, completions, **_):
+        calls["n"] += 1
+        if calls["n"] >= fails_from:
+            raise ValueError(f"failed on call {calls['n']}")
+        return [0.0] * len(completions)
+
+    cfg = _cfg(tmp_path, "e", "task.eval_size=2", "rollout.eval_max_new_tokens=2",
+               "reward.max_unscorable_frac=1.0", "save_final=false", *extra)
+    trainer = Trainer(cfg, reward_fns=[flaky]).setup()
+    trainer.train()
+    trainer.cleanup()
+    log = (trainer.run_dir / "reward_errors.log").read_text()
+    assert log.count(f"== reward function 'flaky' first failed at step {step} ==") == 1
+    assert f"ValueError: failed on call {fails_from}" in log
+    out = capsys.readouterr().out
+    assert out.count(f"reward function 'flaky' failed at step {step}: ValueError") == 1
+
+
 def test_too_many_unscorable_still_stops_the_run_and_writes_the_log(tmp_path):
     def broken(prompts, completions, **_):
         raise RuntimeError("no scores today")

@@ -78,6 +78,51 @@ def test_non_llama_models_are_refused(tmp_path):
         export_gguf(model, tok, tmp_path / "m.gguf")
 
 
+
+def _llama(rope: dict):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    _, tok = build_tiny("llama")
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=512, tie_word_embeddings=True,
+                      rope_parameters={"rope_theta": 500000.0, **rope})
+    return LlamaForCausalLM(cfg).eval(), tok
+
+
+def test_llama3_rope_scaling_goes_into_the_rope_freqs_tensor(tmp_path):
+    """A Llama 3.x policy (rope_type llama3) rotates with rescaled frequencies: without
+    ``rope_freqs`` llama.cpp would run plain RoPE, another model. The factors are those
+    convert_hf_to_gguf.py writes (1 for short wavelengths, ``factor`` for long ones, smoothed
+    between); a rescaling llama.cpp cannot take from the file is refused."""
+    import math
+
+    gguf = pytest.importorskip("gguf")
+    rope = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    model, tok = _llama(rope)
+    reader = gguf.GGUFReader(export_gguf(model, tok, tmp_path / "m.gguf"))
+    got = next(t for t in reader.tensors if t.name == "rope_freqs.weight").data
+    want = []
+    for i in range(0, 16, 2):  # head_dim 16
+        wavelen = 2 * math.pi * 500000.0 ** (i / 16)
+        if wavelen < 64 / 4.0:
+            want.append(1.0)
+        elif wavelen > 64 / 1.0:
+            want.append(32.0)
+        else:
+            smooth = (64 / wavelen - 1.0) / (4.0 - 1.0)
+            want.append(1 / ((1 - smooth) / 32.0 + smooth))
+    assert len(set(want)) == 3  # every case of the formula is met
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    plain, tok = _llama({"rope_type": "default"})
+    reader = gguf.GGUFReader(export_gguf(plain, tok, tmp_path / "plain.gguf"))
+    assert not [t for t in reader.tensors if "rope" in t.name]
+    yarn, tok = _llama({"rope_type": "yarn", "factor": 4.0,
+                        "original_max_position_embeddings": 128})
+    with pytest.raises(NotImplementedError, match="rope_type='yarn'"):
+        export_gguf(yarn, tok, tmp_path / "yarn.gguf")
+
 # ------------------------------------------------------------------ with llama-cpp-python
 def _engine(tiny):
     pytest.importorskip("llama_cpp")

@@ -88,3 +88,24 @@ def test_recording_a_dense_model_is_an_error():
     with pytest.raises(ValueError, match="not a Mixture-of-Experts"):
         generate(model, PROMPTS, group_size=2, params=PARAMS, eos=EOS, pad_id=0,
                  record_routing=True)
+
+
+def test_join_replayed_is_the_one_rule_for_encoded_and_decoded_batches():
+    """R3's replayed log-probs of joined batches, for merge_encoded (lists) and concat_rollouts
+    (tensors) alike: a batch without them gives its trainer log-probs; none anywhere: None;
+    replayed ones beside a batch with neither: an error (merge_encoded raised a TypeError)."""
+    from gspo.rollout.async_engine import merge_encoded
+    from gspo.rollout.batch import join_replayed
+
+    assert join_replayed([[[0.5]], None], [[[0.1]], [[0.2], [0.3]]]) == [[0.5], [0.2], [0.3]]
+    assert join_replayed([None, None], [[[0.1]], None]) is None
+    rows = join_replayed([None, [torch.tensor([1.0])]], [[torch.tensor([2.0])], None])
+    assert [r.tolist() for r in rows] == [[2.0], [1.0]]
+    with pytest.raises(ValueError, match="no trainer_logprobs"):
+        join_replayed([[[0.5]], None], [[[0.1]], None])
+    share = {"prompt_ids": [[1]], "response_ids": [[2]], "logprobs": [[0.0]],
+             "truncated": [False], "versions": [0], "group_size": 1, "routing": None,
+             "trainer_routing": None, "generate_s": 0.0, "extras": {}}
+    with pytest.raises(ValueError, match="no trainer_logprobs"):
+        merge_encoded([{**share, "trainer_logprobs": [[0.1]], "replayed_logprobs": [[0.5]]},
+                       {**share, "trainer_logprobs": None, "replayed_logprobs": None}])

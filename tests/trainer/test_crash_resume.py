@@ -38,6 +38,7 @@ from gspo.trainer.checkpoint import (
     load_weights,
     save_checkpoint,
 )
+from gspo.trainer.guard import roll_back
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 12
@@ -462,3 +463,39 @@ def test_a_resumed_run_keeps_the_initial_policy_as_its_kl_reference(tmp_path):
     a, b = (load_file(d / "checkpoints/step_000003/model.safetensors")
             for d in (whole.run_dir, cut))
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_resume_applies_the_optim_values_it_is_given(tmp_path):
+    """`gspo train resume=RUN optim.lr=...` (overrides apply on resume, and config.yaml records
+    them): loading the checkpoint's optimizer and schedule put back the first run's lr, betas
+    and weight decay, so the resumed run trained with values it did not record. The lr keeps
+    its place in the schedule and a guard.on_fault=lower_lr factor."""
+    def cfg(*extra):
+        return load_config(None, [
+            "model=tiny:llama", f"output_dir={tmp_path}", "run_name=r", "progress=false",
+            "tensorboard=false", "num_threads=1", "rollout.max_new_tokens=3",
+            "rollout.prompts_per_step=2", "rollout.group_size=2", "objective.num_minibatches=2",
+            "task.eval_size=0", "save_every=1", "optim.lr=3e-3", *extra])
+
+    first = Trainer(cfg("steps=1")).setup()
+    first.train()
+    # a lower_lr rollback halved the rate: the resumed run keeps that factor
+    roll_back(first.run_dir / "checkpoints" / "step_000001", first.model, first.optimizer,
+              first.scheduler, dist=first.dist, lr_factor=0.5)
+    first.save_checkpoint()
+    first.cleanup()
+
+    same = Trainer(cfg("steps=2", f"resume={first.run_dir}")).setup()
+    group = same.optimizer.param_groups[0]
+    assert (group["lr"], group["betas"], group["weight_decay"]) == (1.5e-3, (0.9, 0.999), 0.0)
+    assert same.scheduler.base_lrs == [1.5e-3]
+    same.cleanup()
+
+    other = Trainer(cfg("steps=2", f"resume={first.run_dir}", "optim.lr=1e-3",
+                        "optim.betas=[0.5,0.9]", "optim.weight_decay=0.1")).setup()
+    group = other.optimizer.param_groups[0]
+    assert group["lr"] == pytest.approx(5e-4) and other.scheduler.base_lrs == [pytest.approx(5e-4)]
+    assert (group["betas"], group["weight_decay"]) == ((0.5, 0.9), 0.1)
+    other.train()
+    last = json.loads((first.run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["step"] == 2 and last["train/lr"] == pytest.approx(5e-4)

@@ -391,3 +391,53 @@ def test_reward_failures_under_torchrun_count_every_ranks_rows(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(x) for x in open(tmp_path / "r" / "metrics.jsonl")]
     assert rows[-1]["reward/failures/broken"] == 8
+
+
+REWARD_ERRORS = textwrap.dedent("""
+    import os, sys
+    from gspo.config import load_config
+    from gspo.rewards import RewardError
+    from gspo.trainer import Trainer
+
+    def broken(prompts, completions, **_):  # fails on every rank's rows
+        raise ValueError("boom")
+
+    def rank_one(prompts, completions, **_):  # fails on rank 1's rows only
+        if os.environ["RANK"] == "1":
+            raise KeyError("rank one")
+        return [0.0] * len(completions)
+
+    out = sys.argv[1]
+    cfg = load_config(None, ["model=tiny:llama", f"output_dir={out}", "run_name=r",
+        "progress=false", "tensorboard=false", "rollout.max_new_tokens=3",
+        "rollout.prompts_per_step=2", "rollout.group_size=4", "task.eval_size=0",
+        "objective.num_minibatches=2", "steps=2", "save_final=false",
+        "reward.max_unscorable_frac=0.5"])
+    trainer = Trainer(cfg, reward_fns=[broken, rank_one]).setup()
+    try:
+        trainer.train()
+    except RewardError:  # every response unscorable: every rank stops in step 1
+        print("stopped: RewardError", flush=True)
+    trainer.cleanup(barrier=False)
+""")
+
+
+def test_reward_errors_under_torchrun_are_logged_once_naming_the_rank(tmp_path):
+    """Each rank scores its own rows and keeps its own first errors: the run's
+    reward_errors.log holds each function's first error once (the lowest rank's, naming it),
+    printed once, not once per rank; also when the step raises RewardError on every rank."""
+    script = tmp_path / "errors.py"
+    script.write_text(REWARD_ERRORS)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = run_session(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD),
+         "--standalone", str(script), str(tmp_path)], env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("stopped: RewardError") == WORLD
+    log = (tmp_path / "r" / "reward_errors.log").read_text()
+    headers = [line for line in log.splitlines() if line.startswith("== ")]
+    assert headers == ["== reward function 'broken' first failed at step 1 on rank 0 ==",
+                       "== reward function 'rank_one' first failed at step 1 on rank 1 =="]
+    assert log.count("ValueError: boom") == 1 and log.count("KeyError: 'rank one'") == 1
+    assert proc.stdout.count("reward function 'broken' failed at step 1 on rank 0") == 1
+    assert proc.stdout.count("reward function 'rank_one' failed at step 1 on rank 1") == 1

@@ -1,6 +1,7 @@
 """MoE policies through the trainer: routing-change metric, R2 replay, load-balancing loss."""
 
 import json
+import math
 
 import pytest
 
@@ -300,3 +301,81 @@ def test_router_lr_scale_with_frozen_routers_is_an_error(tmp_path):
     with pytest.raises(ConfigError, match="routers have no trainable parameters"):
         Trainer(cfg, reward_fns=[char_codes]).setup()
     assert not any(tmp_path.iterdir())
+
+
+def _unsupported_moe_folder(tmp_path):
+    """A tiny Granite-MoE (a transformers MoE family gspo has no routing adapter for), saved as
+    a model folder with the byte tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM, GraniteMoeConfig
+
+    from gspo.models.loading import save_model_folder
+    from gspo.models.moe import has_routers, is_moe
+    from gspo.models.tiny import byte_tokenizer
+
+    tokenizer = byte_tokenizer()
+    config = GraniteMoeConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=512, tie_word_embeddings=False, pad_token_id=0, eos_token_id=1,
+        bos_token_id=2)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    assert is_moe(model) and not has_routers(model)
+    return save_model_folder(model, tokenizer, tmp_path / "granitemoe")
+
+
+def test_an_moe_family_without_an_adapter_trains_like_a_dense_model(tmp_path):
+    """With every moe.* option at its default, an MoE family gspo cannot hook trains (no
+    routing metrics); it used to fail at setup with 'routing replay does not support'."""
+    folder = _unsupported_moe_folder(tmp_path)
+    rows = _run(tmp_path / "out", "granite", f"model={folder}", "optim.lr=1e-3")
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(math.isfinite(r["train/loss"]) for r in rows)
+    assert not any(k.startswith("moe/") for r in rows for k in r)
+
+
+@pytest.mark.parametrize("option", ["moe.routing_replay=r2", "moe.aux_loss_coef=0.01",
+                                    "moe.router_lr_scale=2"])
+def test_router_options_on_an_moe_family_without_an_adapter_are_an_error(tmp_path, option):
+    folder = _unsupported_moe_folder(tmp_path)
+    cfg = load_config(None, [f"model={folder}", option, f"output_dir={tmp_path / 'out'}"])
+    with pytest.raises(ConfigError, match=rf"^{option.split('=')[0]}=.*family 'granitemoe'"):
+        Trainer(cfg, reward_fns=[first_char_digit]).setup()
+
+
+def test_routing_change_after_update_skips_minibatches_without_a_valid_row(tmp_path,
+                                                                            monkeypatch):
+    """Under rollout.mask_truncated a minibatch can hold only masked rows; its routing change
+    is a placeholder 0, which moe/routing_change leaves out and the after-update mean must
+    too (it was averaged in)."""
+    import gspo.rollout.hf_engine as engine_mod
+    import gspo.trainer.trainer as trainer_mod
+
+    real_generate, real_update, updates = engine_mod.generate, trainer_mod.policy_update, []
+
+    def half_truncated(*args, **kwargs):  # the first group's rows: masked out of the loss
+        roll = real_generate(*args, **kwargs)
+        roll.truncated = [i < roll.group_size for i in range(len(roll))]
+        return roll
+
+    def spy(*args, **kwargs):
+        updates.append(real_update(*args, **kwargs))
+        return updates[-1]
+
+    monkeypatch.setattr(engine_mod, "generate", half_truncated)
+    monkeypatch.setattr(trainer_mod, "policy_update", spy)
+    # _r3_trainer for its reward with signal in every step; replay off (not needed here)
+    trainer = _r3_trainer(tmp_path, "masked", "moe.routing_replay=off", "optim.lr=3e-2",
+                          "rollout.mask_truncated=true", "steps=3")
+    trainer.train()
+    rows = _metrics(trainer)
+    empty_after_first = 0
+    for row, res in zip(rows, updates, strict=True):
+        after = [float(s["moe/routing_change"]) for s, c in zip(res.stats[1:], res.counts[1:])
+                 if c["rows"] > 0]
+        empty_after_first += len(res.stats) - 1 - len(after)
+        assert row["moe/routing_change_after_update"] == pytest.approx(
+            sum(after) / len(after) if after else 0.0, rel=1e-6)
+    assert empty_after_first > 0  # the case under test happened
+    assert any(r["moe/routing_change_after_update"] > 0 for r in rows)  # the routers moved

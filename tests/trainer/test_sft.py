@@ -37,6 +37,16 @@ def test_cache_key_ignores_threads_and_eval_size_only():
     assert config_hash(base) != config_hash(SFTConfig(system_prompt="Be brief."))
 
 
+def test_the_unread_fused_key_is_refused_and_cache_keys_stay():
+    """``fused`` was an SFT key that nothing read (the AdamW of the recipe was never the fused
+    kernel): gone, refused like any unknown key, with the cache key of existing cold starts
+    unchanged (the value every cache was keyed with stays in it)."""
+    with pytest.raises(ConfigError, match="unknown config key 'fused'"):
+        load_sft_config(None, ["fused=false"])
+    assert config_hash(SFTConfig()) == "aaa0c43ab9905890"
+    assert config_hash(SFTConfig(base="tiny:deep_moe", steps=700)) == "81ae6a50a0f61e93"
+
+
 def test_bad_sft_config_is_one_line_error():
     with pytest.raises(ConfigError, match=r"sft\.levels"):
         load_sft_config(None, ["levels=[9]"])

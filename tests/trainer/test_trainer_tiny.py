@@ -249,6 +249,9 @@ def test_drift_steps_run_the_check_pass_the_drift_is_measured_against(tmp_path, 
     (["eval_every=2", "task.eval_size=0"], "eval_every=2: there is no held-out set"),
     (["rollout.eval_max_new_tokens=4", "task.eval_size=0"], "rollout.eval_max_new_tokens=4"),
     (["moe.log_routing_change=false"], "moe.log_routing_change need a Mixture-of-Experts"),
+    # no π_old pass on any step: train/entropy is never logged, so the signal never fires
+    (["objective.old_logprobs=rollout", "logging.rollout_check_every=0",
+      "guard.collapse_entropy_floor=0.5"], "guard.collapse_entropy_floor=0.5: train/entropy"),
 ])
 def test_options_this_run_would_not_read_stop_it_at_setup(tmp_path, extra, needle):
     """Options that only the config, the policy and the loop together show to be unused are

@@ -59,10 +59,11 @@ def expert_change(old: Sequence[Tensor], new: Sequence[Tensor], mask: Tensor) ->
     float values act as weights; an empty mask gives zeros.
     """
     w = mask.detach().reshape(-1).to("cpu", torch.float)  # on the CPU, as routing_change
+    total = w.sum()
     out = []
     for a, b in zip(old, new, strict=True):
         kept = kept_experts(a.detach().cpu(), b.detach().cpu()).float().mean(-1)  # [N]
-        out.append(((1 - kept) * w).sum() / w.sum().clamp(min=1))
+        out.append(((1 - kept) * w).sum() / total if total > 0 else torch.zeros(()))
     return torch.stack(out)
 
 
