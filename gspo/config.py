@@ -177,6 +177,10 @@ class RolloutConfig:
         "first), comma-separated. "
         "Empty: the engine process is spawned here and shares memory "
         "(see gspo.rollout.remote_engine)")
+    async_timeout_s: float = _f(
+        1800.0, "async_address: seconds the trainer waits for each engine to join (start the "
+        "`gspo engine`s within it) and then for each of its messages (a batch, a weights "
+        "broadcast); the engine's own is `gspo engine --timeout`")
 
 
 @dataclass
@@ -246,8 +250,11 @@ class OptimConfig:
     betas: list[float] = _f([0.9, 0.999], "AdamW betas")
     grad_clip: float = _f(1.0, "max global grad norm (0 = off)")
     fused: bool = _f(True, "fused AdamW kernel (same update rule; off under FSDP2)")
-    warmup_steps: int = _f(0, "linear warm-up steps")
-    schedule: Literal["constant", "cosine", "linear"] = _f("constant", "lr schedule after warm-up")
+    warmup_steps: int = _f(
+        0, "linear warm-up, in optimizer updates (objective.num_minibatches x objective.epochs "
+        "per RL step), as the schedule is")
+    schedule: Literal["constant", "cosine", "linear"] = _f(
+        "constant", "lr schedule after warm-up, over steps x num_minibatches x epochs updates")
 
 
 @dataclass
@@ -693,6 +700,10 @@ def validate(cfg: TrainConfig) -> None:
            "rollout.async_engines is used only with rollout.async_steps > 0")
     _check(r.async_steps > 0 or not r.async_address,
            "rollout.async_address is used only with rollout.async_steps > 0")
+    _check(0 < r.async_timeout_s < float("inf"),
+           "rollout.async_timeout_s must be a number > 0")
+    _check(bool(r.async_address) or r.async_timeout_s == RolloutConfig.async_timeout_s,
+           "rollout.async_timeout_s is used only with rollout.async_address")
     for address in r.async_address.split(",") if r.async_address else ():
         check_engine_address(address, "rollout.async_address")
     _check(r.async_steps == 0 or r.engine in ("hf", "vllm"),

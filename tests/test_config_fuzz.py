@@ -182,4 +182,4 @@ def test_jsonl_valid_rows_roundtrip(tmp_path):
     p.write_text("\n".join(json.dumps(r, ensure_ascii=False) for r in rows) + "\n\n")
     out = load_jsonl(str(p))
     assert [(r.prompt, r.answer, r.columns) for r in out] == [
-        ("a\u2028b", "3", {"level": 1}), ("q", "x", {})]
+        ("a\u2028b", "3", {"level": 1}), ("q", "x", {"level": None})]

@@ -34,7 +34,7 @@ import yaml
 
 from gspo.analysis.report import DONE, read_done, summarize, write_report
 from gspo.analysis.spec import CompareSpec
-from gspo.config import ConfigError, TrainConfig, to_dict, validate
+from gspo.config import ConfigError, RolloutConfig, TrainConfig, to_dict, validate
 from gspo.models.moe import expert_change, routing_change
 from gspo.objectives import objective_from_config
 from gspo.trainer import Trainer
@@ -173,7 +173,8 @@ def probe_config(spec: CompareSpec, seed: int, runs_dir: Path, extra: list[str]
     that only the pipeline uses either."""
     cfg = spec.config(spec.probe_arm, seed, runs_dir, extra)
     sync = dataclasses.replace(cfg.rollout, async_steps=0, async_threads=1, async_engines=1,
-                               async_address="", async_lend_threads=False)
+                               async_address="", async_lend_threads=False,
+                               async_timeout_s=RolloutConfig.async_timeout_s)
     cfg = dataclasses.replace(cfg, run_name=f"probe_s{seed}", steps=0, eval_before=False,
                               rollout=sync)
     validate(cfg)

@@ -301,6 +301,8 @@ def cmd_engine(argv: list[str]) -> int:
     p.add_argument("--timeout", type=float, default=1800.0,
                    help="seconds to wait for the trainer and for each of its messages")
     ns = p.parse_args(argv)
+    if not 0 < ns.timeout < float("inf"):
+        p.error(f"--timeout must be a number > 0, got {ns.timeout}")
     check_engine_address(ns.address, "address")
     from gspo.rollout.remote_engine import serve
 

@@ -126,6 +126,23 @@ def check_model(name: str) -> None:
         _model_folder(name)
 
 
+def folder_identity(name: str) -> dict[str, Any]:
+    """What a cache built from model ``name`` is keyed by besides the name itself: nothing for
+    a name that fixes the model (``tiny:``, the bundled SmolLM2, a ``<source>:`` name, which
+    its source caches under a key of its own); for a local folder, its absolute path and each
+    file's name, size and modification time, so that another folder under the same relative
+    name, or the same folder saved again, is not taken for the one a cache was built from."""
+    if name == DEFAULT_MODEL or name.startswith("tiny:"):
+        return {}
+    source = _SOURCE.fullmatch(name)
+    if source is not None and source[1] in MODEL_SOURCES:
+        return {}
+    folder = _model_folder(name).resolve()
+    files = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns)
+                   for p in folder.iterdir() if p.is_file())
+    return {"folder": str(folder), "files": files}
+
+
 def _model_folder(name: str) -> Path:
     """``name`` as a local Hugging Face model folder (a ``<source>:`` prefix that is not
     registered, and not a folder either, is named as such)."""

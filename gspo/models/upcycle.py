@@ -22,8 +22,10 @@ a plain Hugging Face folder (``from_pretrained`` loads it with transformers' own
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
+import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -36,6 +38,7 @@ from gspo.models.loading import (
     PLAIN_TORCH,
     ModelError,
     cache_dir,
+    folder_identity,
     resolve_model,
     save_model_folder,
 )
@@ -81,7 +84,11 @@ def parse_spec(rest: str) -> UpcycleSpec:
     """Parse ``<dense>?k=v&k=v``; an unknown or invalid option is a one-line :class:`ModelError`."""
     dense, _, query = rest.partition("?")
     values: dict[str, Any] = {"dense": dense or UpcycleSpec.dense}
-    for key, raw in parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query)):
+    try:
+        pairs = parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query))
+    except ValueError as e:  # a field without '=' (or an empty one: a stray '&')
+        raise ModelError(f"upcycle: {e} in {query!r}: write key=value&key=value") from None
+    for key, raw in pairs:
         if key not in _KINDS or key == "dense":
             known = ", ".join(k for k in _KINDS if k != "dense")
             raise ModelError(f"upcycle: unknown option {key!r} (known: {known})")
@@ -99,8 +106,8 @@ def parse_spec(rest: str) -> UpcycleSpec:
     if spec.arch == "mixtral" and spec.layers != "all":
         raise ModelError("upcycle: layers= needs arch=qwen2_moe (Mixtral makes every layer "
                          "sparse)")
-    if spec.router_std < 0 or spec.noise < 0:
-        raise ModelError("upcycle: router_std and noise must be >= 0")
+    if not (0 <= spec.router_std < math.inf and 0 <= spec.noise < math.inf):  # NaN fails too
+        raise ModelError("upcycle: router_std and noise must be finite and >= 0")
     return spec
 
 
@@ -128,7 +135,7 @@ def _moe_config(dense: Any, spec: UpcycleSpec) -> Any:
     # Qwen2-MoE always builds a sigmoid-gated shared expert; width 0 makes it an exact zero
     # (an empty matmul), so the block is the routed experts alone.
     return transformers.Qwen2MoeConfig(
-        **common, moe_intermediate_size=dense.intermediate_size,
+        **common, head_dim=dense.head_dim, moe_intermediate_size=dense.intermediate_size,
         shared_expert_intermediate_size=0, num_experts=spec.experts, norm_topk_prob=True,
         qkv_bias=False, decoder_sparse_step=1, use_sliding_window=False,
         mlp_only_layers=[i for i in range(dense.num_hidden_layers) if i not in sparse])
@@ -171,7 +178,8 @@ def _copies(weight: torch.Tensor, n: int, spec: UpcycleSpec, gen: torch.Generato
 
 
 def upcycle(dense_model: Any, spec: UpcycleSpec) -> Any:
-    """Return the upcycled MoE model (fp32, eval mode) of a loaded dense Llama model."""
+    """Return the upcycled MoE model (fp32, eval mode) of a loaded dense Llama model, with the
+    dense model's generation config (its EOS ids and sampling defaults)."""
     from transformers import AutoModelForCausalLM
 
     config = _moe_config(dense_model.config, spec)
@@ -185,11 +193,18 @@ def upcycle(dense_model: Any, spec: UpcycleSpec) -> Any:
         raise ModelError(f"upcycle: weights did not map: missing {missing}, extra {unexpected}")
     if config.tie_word_embeddings:
         model.tie_weights()
+    if getattr(dense_model, "generation_config", None) is not None:
+        model.generation_config = copy.deepcopy(dense_model.generation_config)
     return model.eval()
 
 
 def upcycled_dir(spec: UpcycleSpec) -> Path:
-    key = json.dumps({**asdict(spec), "format": UPCYCLE_FORMAT}, sort_keys=True)
+    """Where the upcycled model of ``spec`` is cached: keyed by the options and, for a dense
+    model given as a folder, by that folder's identity (:func:`folder_identity`)."""
+    dense = folder_identity(spec.dense)
+    key = json.dumps({**asdict(spec), "format": UPCYCLE_FORMAT, **({"dense_folder": dense}
+                                                                   if dense else {})},
+                     sort_keys=True)
     digest = hashlib.sha256(key.encode()).hexdigest()[:10]
     return cache_dir() / "upcycle" / f"{Path(spec.dense).name}-{spec.arch}-e{spec.experts}" \
         f"k{spec.top_k}-{digest}"

@@ -43,9 +43,12 @@ between two physical machines.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import os
 import pickle
 import socket
+import sys
 import threading
 import time
 import urllib.parse
@@ -75,7 +78,8 @@ from gspo.rollout.gloo_net import IFNAME, bind_source, device_at, device_towards
 TRAINER, ENGINE = 0, 1
 STOP = -1  # a weights header that ends the engine's receiving thread
 TRAINER_BINDS = "trainer_binds"  # store key: the address the trainer's gloo device binds to
-JOINED = "joined_"  # store keys (a file store): JOINED + rank, once that end is there
+JOINED = "joined_"  # store keys: JOINED + rank, while that end is there waiting or joined
+POLL_S = 0.1  # how often a waiting end looks for the other (a Ctrl-C stops it between looks)
 
 
 def _broadcast(group: Any, t: torch.Tensor) -> None:
@@ -116,19 +120,97 @@ class Unreachable(ConnectionError):
     """The other end did not join at the address in time."""
 
 
-def _store(address: str, rank: int, timeout: datetime.timedelta) -> Any:
+class _Alone(Exception):
+    """The deadline passed with no one at the other end."""
+
+
+def _store(address: str, rank: int, timeout: datetime.timedelta, deadline: float) -> Any:
     """The key-value store the two processes meet through: a TCP store served by the trainer
     (tcp://HOST:PORT) or a shared file (file:///path). Built here rather than by
     ``torch.distributed.rendezvous``, which under torchrun would look for torchrun's own
-    store at ``HOST:PORT``."""
+    store at ``HOST:PORT``. The engine connects to the trainer's TCP store by the
+    ``deadline`` (``TCPStore``'s own connect waits up to twice its timeout); ``timeout`` is
+    then the store's, for each of its waits."""
     check_engine_address(address, "address")
     url = urllib.parse.urlparse(address)
     if url.scheme == "file":
+        _clear_stale(url.path, rank, deadline)
         store = dist.FileStore(url.path, 2)
         store.set_timeout(timeout)  # its own default is 300 s, whatever the caller's
         return store
-    return dist.TCPStore(url.hostname, url.port, 2, is_master=rank == TRAINER, timeout=timeout,
-                         wait_for_workers=True)
+    if rank == TRAINER:  # listens at once (or fails at once: the port is taken)
+        return dist.TCPStore(url.hostname, url.port, 2, is_master=True, timeout=timeout,
+                             wait_for_workers=False)
+    _await_listener(url.hostname, url.port, deadline)
+    left = datetime.timedelta(seconds=max(deadline - time.monotonic(), POLL_S))
+    store = dist.TCPStore(url.hostname, url.port, 2, is_master=False, timeout=left,
+                          wait_for_workers=False)
+    store.set_timeout(timeout)
+    return store
+
+
+def _await_listener(host: str, port: int, deadline: float) -> None:
+    """Wait until the trainer listens at ``host:port`` (connections refused or timing out
+    until then); :class:`_Alone` past ``deadline``. A host name that does not resolve fails
+    at once (``socket.gaierror``)."""
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise _Alone("Connection refused")
+        try:
+            with socket.create_connection((host, port), timeout=min(left, 5.0)):
+                return
+        except socket.gaierror:
+            raise
+        except OSError:
+            time.sleep(min(POLL_S, max(deadline - time.monotonic(), 0)))
+
+
+def _stale(path: str) -> bool:
+    """Whether the store file at ``path`` holds the keys of a pair that met there (the
+    trainer's bind address): a pair that is gone, since the trainer removes the file once
+    both ends have built their groups (:func:`_join`). The file holds its keys as bytes."""
+    try:
+        with open(path, "rb") as f:
+            return TRAINER_BINDS.encode() in f.read()
+    except FileNotFoundError:
+        return False
+
+
+def _clear_stale(path: str, rank: int, deadline: float) -> None:
+    """A store file left by a pair that died after it met (killed between its join and the
+    removal) holds that pair's gloo addresses: a new pair would wait for them in vain. The
+    trainer, which owns the address as it owns a TCP port, removes it (saying so); an engine
+    waits until its trainer has (:class:`_Alone` past ``deadline``)."""
+    if rank == TRAINER:
+        if _stale(path):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+            print(f"gspo: removed {path}, the store file of an earlier trainer and engine "
+                  "that are gone", file=sys.stderr, flush=True)
+        return
+    while _stale(path):
+        if time.monotonic() >= deadline:
+            raise _Alone(f"{path} is an earlier pair's store file; a trainer that starts "
+                         "there removes it")
+        time.sleep(POLL_S)
+
+
+def _meet(store: Any, rank: int, deadline: float) -> None:
+    """Leave this end's key in the store and wait for the other's, in Python (a Ctrl-C stops
+    the wait; the store's own waits run in C++ and would not see it); :class:`_Alone` past
+    ``deadline``. An end that gives up takes its key back."""
+    mine = f"{JOINED}{rank}"
+    store.set(mine, "1")
+    try:
+        while not store.check([f"{JOINED}{1 - rank}"]):
+            if time.monotonic() >= deadline:
+                raise _Alone("no one came")
+            time.sleep(POLL_S)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            store.delete_key(mine)
+        raise
 
 
 def _group(store: Any, name: str, rank: int, timeout: datetime.timedelta,
@@ -144,31 +226,37 @@ def _group(store: Any, name: str, rank: int, timeout: datetime.timedelta,
 
 def _join(address: str, rank: int, timeout_s: float) -> tuple[Any, Any]:
     """Join the world of two at ``address``: its (messages, weights) groups, on gloo devices
-    bound where the other end reaches them (:func:`_device`)."""
+    bound where the other end reaches them (:func:`_device`). Waits ``timeout_s`` for the
+    other end. At a file address the trainer removes the store file once both ends have
+    built their groups, so a pair that dies later leaves none behind."""
     timeout = datetime.timedelta(seconds=timeout_s)
     url = urllib.parse.urlparse(address)
-    start = time.monotonic()
+    deadline = time.monotonic() + timeout_s
     try:
-        store = _store(address, rank, timeout)
-        if url.scheme == "file":  # a file store waits for no one: each end waits for the other
-            store.set(f"{JOINED}{rank}", "1")
-            store.wait([f"{JOINED}{1 - rank}"])
-    except (dist.DistError, RuntimeError) as e:
-        if time.monotonic() - start < timeout_s:  # it failed, rather than waited in vain
-            raise Unreachable(f"{address}: could not "
-                              f"{'listen there' if rank == TRAINER else 'reach the trainer'} "
-                              f"({_first(e)})") from None
+        store = _store(address, rank, timeout, deadline)
+        _meet(store, rank, deadline)
+    except _Alone as e:
         other = ("no engine joined (start one with `gspo engine ADDRESS`)" if rank == TRAINER
                  else "no trainer to join (it listens once it starts with "
                  "rollout.async_address=ADDRESS)")
-        raise Unreachable(f"{address}: {other} within {timeout_s:.0f} s ({_first(e)})") from None
+        raise Unreachable(f"{address}: {other} within {timeout_s:g} s ({_first(e)})") from None
+    except (dist.DistError, RuntimeError, OSError) as e:  # it failed, rather than waited
+        raise Unreachable(f"{address}: could not "
+                          f"{'listen there' if rank == TRAINER else 'reach the trainer'} "
+                          f"({_first(e)})") from None
     # file://: no host in the address; this machine's own name stands for it (where it
     # resolves to loopback, as it often does, the outward address)
     host = url.hostname if url.scheme == "tcp" else socket.gethostname()
     device = _device(store, host, rank)
     try:
-        return tuple(_group(store, name, rank, timeout, device)
-                     for name in ("messages", "weights"))
+        groups = tuple(_group(store, name, rank, timeout, device)
+                       for name in ("messages", "weights"))
+        if url.scheme == "file":  # both ends have built both groups: no one reads the store
+            groups[0].barrier().wait()
+            if rank == TRAINER:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(url.path)
+        return groups
     except (dist.DistError, RuntimeError) as e:
         other = "engine" if rank == TRAINER else "trainer"
         raise Unreachable(

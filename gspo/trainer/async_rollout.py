@@ -124,7 +124,7 @@ class AsyncRollout:
                  logprob_fn: Callable[..., Any], temperature: float, chunk: int,
                  pad_id: int, device: torch.device | None = None,
                  routing: bool = False, replay: bool = False,
-                 addresses: tuple[str, ...] = (),
+                 addresses: tuple[str, ...] = (), timeout_s: float = 1800.0,
                  engines: int = 1, turns: Any = None, lend_threads: bool = False) -> None:
         """``draw(step)``: the step's prompts from the task (called once per step, in order);
         ``check(step)``: whether the engine process also runs the trainer's log-prob pass on
@@ -136,13 +136,15 @@ class AsyncRollout:
         ``engines``: how many engines sample this process's batches, each a share of the
         prompts. ``addresses`` (one per engine): meet engines started with
         ``gspo engine ADDRESS`` there (:class:`gspo.rollout.remote_engine.RemoteEngine`)
-        instead of spawning them here. ``turns`` (``rollout.max_turns > 1``): the engines
+        instead of spawning them here, waiting ``timeout_s`` for each to join and for each of
+        its messages. ``turns`` (``rollout.max_turns > 1``): the engines
         sample multi-turn episodes, each request carrying its prompts' examples.
         ``lend_threads``: the trainer borrows the engines' threads while they are idle
         (:class:`ThreadLending`; engines spawned here only)."""
         self.k, self.total, self.draw, self.check = k, total_steps, draw, check
         self.engine_name, self.opts, self.threads = engine, opts, threads
         self.addresses, self.n_engines, self.turns = addresses, engines, turns
+        self.timeout_s = timeout_s
         self.device = device if device is not None else torch.device("cpu")
         self.recompute = Recompute(logprob_fn, temperature, chunk, pad_id, routing, replay)
         self.engine: AsyncEngine | RemoteEngine | _Engines | None = None
@@ -169,7 +171,8 @@ class AsyncRollout:
                     started.append(RemoteEngine(
                         model, tokenizer, address=self.addresses[i], engine=self.engine_name,
                         opts=self.opts, steps_ahead=self.k, threads=self.threads,
-                        recompute=self.recompute, version=version, turns=self.turns))
+                        recompute=self.recompute, version=version, turns=self.turns,
+                        timeout_s=self.timeout_s))
                 else:
                     started.append(AsyncEngine(
                         model, tokenizer, engine=self.engine_name, opts=self.opts,

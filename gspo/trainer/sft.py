@@ -27,7 +27,7 @@ import torch
 
 from gspo.config import ConfigError, SFTConfig, load_sft_config, to_dict
 from gspo.data import ArithmeticTask, DataError, Example, format_prompt
-from gspo.models.loading import MODEL_SOURCES, cache_dir, load_model
+from gspo.models.loading import MODEL_SOURCES, cache_dir, folder_identity, load_model
 from gspo.models.logprobs import token_logprobs
 from gspo.models.tokens import eos_ids
 from gspo.rewards import RewardScorer
@@ -52,8 +52,12 @@ def response_text(ex: Example) -> str:
 
 
 def config_hash(cfg: SFTConfig) -> str:
+    """The cache key of ``cfg``'s cold start: its fields that change the trained weights and,
+    for a base given as a folder, that folder's identity (:func:`folder_identity`)."""
     data = {k: v for k, v in to_dict(cfg).items() if k not in _NOT_IN_KEY}
-    blob = json.dumps({"format": SFT_FORMAT, **_KEY_OF_REMOVED, **data}, sort_keys=True)
+    base = folder_identity(cfg.base)
+    blob = json.dumps({"format": SFT_FORMAT, **_KEY_OF_REMOVED, **data,
+                       **({"base_folder": base} if base else {})}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -118,7 +122,10 @@ def _train(cfg: SFTConfig, log: Callable[[str], None]) -> tuple[Any, Any, dict[s
     start = time.perf_counter()
     model, tokenizer = load_model(cfg.base, seed=cfg.seed)
     task = ArithmeticTask(cfg.levels, [], cfg.operations, [], cfg.eval_size, cfg.seed)
-    eos = eos_ids(model, tokenizer)[0]
+    # the tokenizer's EOS ends a chat turn (Llama 3: <|eot_id|>, not the generation config's
+    # lower <|end_of_text|>); a tokenizer without one: the model's first
+    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else \
+        eos_ids(model, tokenizer)[0]
     before = held_out_accuracy(model, tokenizer, task, cfg)
     log(f"sft: {cfg.base}, levels {cfg.levels}: held-out accuracy before {before:.1%}")
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)

@@ -285,7 +285,8 @@ class Trainer:
                 lambda *_: self.async_rollout.poll_threads())
         total = cfg.steps * cfg.objective.num_minibatches * cfg.objective.epochs
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(cfg, total))
-        if cfg.objective.num_minibatches == 1 and cfg.objective.epochs == 1:
+        if (cfg.objective.num_minibatches == 1 and cfg.objective.epochs == 1
+                and self._old_is_current()):  # else π_old is an older (behaviour) policy
             warnings.warn("one minibatch and one epoch: every ratio is 1, so GSPO, GSPO-token "
                           "and GRPO compute the same update (clipping never acts)", stacklevel=2)
         self.run_dir = self._make_run_dir()
@@ -440,7 +441,7 @@ class Trainer:
             device=self.dist.device, routing=self.hooks.active,
             replay=(self.hooks.records_rollout_routing
                     and cfg.objective.old_logprobs == "recompute"),
-            addresses=tuple(mine),
+            addresses=tuple(mine), timeout_s=cfg.rollout.async_timeout_s,
             engines=n, turns=self.turns, lend_threads=cfg.rollout.async_lend_threads)
 
     def _behaviour_routing(self) -> bool:
@@ -911,7 +912,9 @@ class Trainer:
                                 old.after if old.recomputed is not None else None, mask,
                                 self.dist, before=old.recomputed)),
             "train/skipped_updates": result.skipped,
-            "train/lr": self.scheduler.get_last_lr()[0],
+            # the mean rate the step's updates ran at (the scheduler has moved on since)
+            "train/lr": sum(result.lrs) / len(result.lrs) if result.lrs
+            else self.scheduler.get_last_lr()[0],
             **timer.metrics(),
             **gpu_memory_metrics(self.dist.device),
         }

@@ -113,7 +113,8 @@ class UpdateResult:
     ``old_from_first`` and ``first_is_old``; else the input's); ``first_entropy``: those rows'
     policy entropy ``[n_first, width]`` (None without ``old_from_first``), ``first_rows``
     their indices, ``first_logprobs`` their log-probs at this step's weights where they are not
-    π_old (``first_is_old=False``).
+    π_old (``first_is_old=False``); ``lrs``: the learning rate (the first parameter group's)
+    each minibatch step of the plan ran at, or would have run at where it was skipped.
     """
 
     stats: list[dict[str, torch.Tensor]]
@@ -125,6 +126,7 @@ class UpdateResult:
     diagnostics: dict[str, float] = field(default_factory=dict)  # whole-step diag/* metrics
     # per step in ``stats``: the (global) rows, tokens, signal rows/tokens and weight it averages
     counts: list[dict[str, float]] = field(default_factory=list)
+    lrs: list[float] = field(default_factory=list)
 
 
 def policy_update(model: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
@@ -159,6 +161,7 @@ def policy_update(model: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
         for k, mb_idx in enumerate(minibatches):
             local, share, empty = _local_rows(mb_idx, offset, n_local, w_global, d)
             first = plan.old_from_first and epoch == 0 and k == 0
+            result.lrs.append(float(optimizer.param_groups[0]["lr"]))
             stats = _step(model, optimizer, scheduler, batch, local, share, empty, first,
                           plan.first_is_old, result, objective=objective,
                           temperature=temperature, chunk=chunk, grad_clip=grad_clip,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
@@ -83,6 +84,9 @@ def test_resolve_caches_a_plain_hf_folder(tiny_llama, tmp_path, monkeypatch):
     ("layers=0-1", "needs arch=qwen2_moe"),
     ("arch=qwen2_moe&layers=5", "out of range"),
     ("arch=dbrx", "choose mixtral or qwen2_moe"),
+    ("router_std=inf", "finite and >= 0"),
+    ("noise=nan", "finite and >= 0"),
+    ("experts=4&", "key=value"),
 ])
 def test_bad_options_are_one_line_errors(tiny_llama, query, message):
     with pytest.raises(ModelError, match=message):
@@ -106,3 +110,54 @@ def test_upcycled_smollm2_logits_equal_dense(tmp_path, monkeypatch):
     with torch.no_grad():
         ref, got = dense.eval()(**batch).logits, moe.eval()(**batch).logits
     assert _max_diff(ref, got, batch["attention_mask"].bool()) <= 1e-4
+
+
+def _save(model, tok, folder):
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def test_upcycled_model_keeps_the_dense_generation_config(tmp_path, monkeypatch):
+    """The dense model's generation config (its EOS ids, e.g. Llama 3's [<|end_of_text|>,
+    <|eot_id|>], and sampling defaults) carries over to the cached MoE."""
+    from gspo.models.tokens import eos_ids
+
+    dense, tok = build_tiny("llama", seed=3)
+    dense.generation_config.eos_token_id = [1, 5]
+    _save(dense, tok, tmp_path / "dense")
+    monkeypatch.setenv("GSPO_CACHE", str(tmp_path / "cache"))
+    moe, tok2 = load_model(f"upcycle:{tmp_path / 'dense'}?experts=4&top_k=2")
+    assert eos_ids(moe, tok2) == [1, 5]
+
+
+def test_qwen2_moe_upcycle_keeps_the_dense_head_dim():
+    """A dense Llama whose head_dim is not hidden_size / heads upcycles into Qwen2-MoE too."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    _, tok = build_tiny("llama")
+    torch.manual_seed(0)
+    dense = LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, pad_token_id=0)).eval()
+    ref, mask = _logits(dense, tok)
+    for query in ["experts=4&top_k=2", "arch=qwen2_moe&experts=4&top_k=2"]:
+        got, _ = _logits(upcycle(dense, parse_spec(f"x?{query}")), tok)
+        assert _max_diff(ref, got, mask) <= 1e-4, query
+
+
+def test_cache_follows_the_dense_folder_not_its_name(tmp_path, monkeypatch):
+    """A relative dense folder name in another working directory, or the same folder saved
+    again, builds its own upcycled model rather than reusing the cached one of another."""
+    monkeypatch.setenv("GSPO_CACHE", str(tmp_path / "cache"))
+    name = "upcycle:dense?experts=4&top_k=2"
+    for i, seed in enumerate([1, 2, 3]):
+        dense, tok = build_tiny("llama", seed=seed)
+        where = tmp_path / f"w{min(i, 1)}"
+        where.mkdir(exist_ok=True)
+        _save(dense, tok, where / "dense")
+        weights = where / "dense" / "model.safetensors"  # saved again: a later time, whatever
+        os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + i * 10**9))
+        monkeypatch.chdir(where)
+        moe, _ = load_model(name)
+        assert torch.equal(moe.model.embed_tokens.weight, dense.model.embed_tokens.weight), i

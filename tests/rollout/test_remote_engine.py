@@ -11,6 +11,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from gspo.config import ConfigError, check_engine_address
 from gspo.rollout import remote_engine
@@ -123,3 +124,135 @@ def test_serve_raises_the_engines_failure_in_the_callers_thread(monkeypatch):
     monkeypatch.setattr(remote_engine, "_serve", unreachable)
     with pytest.raises(Unreachable, match="no trainer"):
         remote_engine.serve("tcp://127.0.0.1:1", timeout_s=1)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_at_a_tcp_address_the_engine_waits_its_timeout_not_twice_it():
+    """No trainer listens: the engine gives up after its timeout (TCPStore's own connect
+    retried for a second timeout, and more: 4 s took 7.3 s)."""
+    start = time.monotonic()
+    err = _in_thread(_join, f"tcp://127.0.0.1:{_free_port()}", ENGINE, 4.0)
+    waited = time.monotonic() - start
+    assert isinstance(err, Unreachable) and "no trainer to join" in str(err), err
+    assert "within 4 s" in str(err)
+    assert 4.0 <= waited < 5.5, waited
+
+
+def test_the_trainers_wait_for_its_engine_can_be_configured(tmp_path):
+    """``rollout.async_timeout_s``: how long the trainer waits for its engine (it was a fixed
+    1800 s); checked, and only with an address."""
+    from gspo.config import load_config
+    from gspo.trainer import Trainer
+
+    with pytest.raises(ConfigError, match="async_timeout_s must be a number > 0"):
+        load_config(None, ["rollout.async_steps=1", "rollout.async_timeout_s=0",
+                           "rollout.async_address=tcp://127.0.0.1:29500"])
+    with pytest.raises(ConfigError, match=r"async_timeout_s is used only with "
+                                          r"rollout\.async_address"):
+        load_config(None, ["rollout.async_steps=1", "rollout.async_timeout_s=60"])
+    address = f"tcp://127.0.0.1:{_free_port()}"
+    cfg = load_config(None, [
+        "model=tiny:llama", f"output_dir={tmp_path}", "run_name=t", "progress=false",
+        "tensorboard=false", "num_threads=1", "rollout.max_new_tokens=4",
+        "rollout.prompts_per_step=2", "rollout.group_size=2", "task.eval_size=0", "steps=1",
+        "eval_before=false", "rollout.async_steps=1", f"rollout.async_address={address}",
+        "rollout.async_timeout_s=2"])
+    start = time.monotonic()
+    with pytest.raises(Unreachable, match=r"no engine joined .* within 2 s"):
+        Trainer(cfg).setup()
+    assert time.monotonic() - start < 60
+
+
+_WAITING_TRAINER = """
+import sys
+from gspo.rollout.remote_engine import _join
+print("waiting", flush=True)
+try:
+    _join(sys.argv[1], 0, 120.0)
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+"""
+
+
+@pytest.mark.parametrize("scheme", ["tcp", "file"])
+def test_ctrl_c_stops_a_trainer_that_waits_for_its_engine(tmp_path, scheme):
+    """The trainer's wait for its engine ran in the store's C++ code, which does not look at
+    Python's signals: a Ctrl-C to `gspo train` went unheeded for the whole wait (1800 s by
+    default). It stops the wait at once now."""
+    address = (f"tcp://127.0.0.1:{_free_port()}" if scheme == "tcp"
+               else f"file://{tmp_path}/store")
+    proc = subprocess.Popen([sys.executable, "-c", _WAITING_TRAINER, address],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "waiting"
+        time.sleep(2.0)  # in the wait
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=20)
+        assert out.strip() == "interrupted"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+_PAIR_THAT_DIES = """
+import os, sys, time
+from gspo.rollout.remote_engine import _join
+os.remove = lambda path: None  # killed before its store file could be removed
+groups = _join(sys.argv[1], int(sys.argv[2]), 120.0)
+print("met", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_store_file_left_by_a_pair_that_died_does_not_stop_the_next_pair(tmp_path, capfd):
+    """A pair killed after it met left its store file, with its gloo addresses, at the file
+    address: the next pair there waited for them (with a 15 s timeout, 75 s) and failed with
+    'gloo could not connect'. The trainer removes such a file (saying so), the engine waits
+    for it to; a pair that met leaves no file."""
+    from gspo.rollout.remote_engine import _broadcast
+
+    store = tmp_path / "store"
+    address = f"file://{store}"
+    pair = [subprocess.Popen([sys.executable, "-c", _PAIR_THAT_DIES, address, str(rank)],
+                             stdout=subprocess.PIPE, text=True) for rank in (TRAINER, ENGINE)]
+    try:
+        assert [p.stdout.readline().strip() for p in pair] == ["met", "met"]
+    finally:
+        for p in pair:
+            p.kill()
+            p.wait()
+    assert store.exists()
+    joined: dict[int, tuple] = {}
+
+    def join(rank):
+        joined[rank] = _join(address, rank, 30.0)
+        t = torch.tensor([7 if rank == TRAINER else 0])
+        _broadcast(joined[rank][1], t)
+        assert int(t) == 7
+
+    start = time.monotonic()
+    engine = threading.Thread(target=lambda: _in_thread(join, ENGINE, wait_s=40), daemon=True)
+    engine.start()  # the engine first, at the stale file
+    time.sleep(1.0)
+    assert _in_thread(join, TRAINER, wait_s=40) is None
+    engine.join(40)
+    assert sorted(joined) == [TRAINER, ENGINE] and time.monotonic() - start < 20
+    assert not store.exists()  # removed once both ends had their groups
+    assert f"gspo: removed {store}, the store file of an earlier" in capfd.readouterr().err
+
+
+def test_gspo_engine_refuses_a_timeout_that_is_not_a_positive_number(capsys):
+    """``--timeout 0`` waited for a trainer for ever (0 is no timeout to the file store) and
+    ``--timeout nan`` ended in a traceback."""
+    from gspo.cli import main
+
+    for bad in ("0", "-5", "nan"):
+        with pytest.raises(SystemExit) as exit_:
+            main(["engine", "file:///tmp/gspo-no-such-store", f"--timeout={bad}"])
+        assert exit_.value.code == 2
+        assert "--timeout must be a number > 0" in capsys.readouterr().err

@@ -1,5 +1,7 @@
 """The cold-start supervised stage: answer format, loss mask, learning, cache reuse."""
 
+import os
+
 import pytest
 
 import gspo.trainer.sft as sft
@@ -93,3 +95,39 @@ def test_sft_source_takes_options_after_a_question_mark(monkeypatch):
         resolve_model("sft:deep_moe?base=tiny:llama")
     with pytest.raises(ConfigError, match="unknown config key 'stepz'"):
         resolve_model("sft:deep_moe?stepz=3")
+
+
+def test_cache_key_follows_a_folder_base(tmp_path, monkeypatch):
+    """A base given as a folder keys the cache by that folder, not by how it is named: the
+    same relative name in another directory, or the folder saved again, is another key."""
+    model, tok = load_model("tiny:llama", seed=0)
+    keys = []
+    for i, where in enumerate(["a", "b", "b"]):
+        (tmp_path / where).mkdir(exist_ok=True)
+        model.save_pretrained(tmp_path / where / "base")
+        tok.save_pretrained(tmp_path / where / "base")
+        weights = tmp_path / where / "base" / "model.safetensors"  # the timestamp's resolution
+        os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + i * 10**9))
+        monkeypatch.chdir(tmp_path / where)
+        keys.append(config_hash(SFTConfig(base="base")))
+    assert len(set(keys)) == 3
+
+
+def test_sft_answers_end_with_the_tokenizers_eos(tmp_path, monkeypatch):
+    """A Llama-3-like base (the tokenizer's EOS ends a chat turn, the generation config also
+    stops at a lower id) is taught to end its answers with the tokenizer's EOS."""
+    model, tok = load_model("tiny:llama", seed=0)
+    tok.add_special_tokens({"additional_special_tokens": ["<|eot|>"]})
+    tok.eos_token = "<|eot|>"
+    model.resize_token_embeddings(len(tok), mean_resizing=False)
+    model.generation_config.eos_token_id = [1, tok.eos_token_id]
+    model.save_pretrained(tmp_path / "base")
+    tok.save_pretrained(tmp_path / "base")
+    seen = []
+    batch = sft.sft_batch
+    monkeypatch.setattr(sft, "sft_batch", lambda t, ex, cfg, eos_id: seen.append(eos_id)
+                        or batch(t, ex, cfg, eos_id))
+    cfg = load_sft_config(None, [f"base={tmp_path / 'base'}", "steps=1", "batch_size=2",
+                                 "eval_size=0", "levels=[1]"])
+    sft.train_sft(cfg, log=lambda line: None)
+    assert seen == [tok.eos_token_id]

@@ -63,6 +63,35 @@ def test_one_minibatch_one_epoch_warns(tmp_path):
         Trainer(cfg, reward_fns=[starts_with_digit]).setup()
 
 
+def test_one_minibatch_does_not_warn_when_pi_old_is_the_samplers(tmp_path, recwarn):
+    """With π_old taken from the rollout (or an older behaviour policy, async), the ratio of
+    one minibatch and one epoch is not 1 and clipping acts: no warning that it never does."""
+    cfg = _cfg(tmp_path, "nowarn", "steps=1", "objective.num_minibatches=1",
+               "objective.old_logprobs=rollout")
+    Trainer(cfg, reward_fns=[starts_with_digit]).setup()
+    assert not [w for w in recwarn if "every ratio is 1" in str(w.message)]
+
+
+def test_logged_lr_is_the_rate_the_steps_updates_ran_at(tmp_path):
+    """``train/lr``: the mean learning rate of the step's minibatch updates (warm-up and decay
+    move it within a step), not the rate the scheduler holds for the next step's first one."""
+    from gspo.trainer.trainer import _lr_lambda
+
+    cfg = _cfg(tmp_path, "lr", "steps=2", "eval_before=false", "task.eval_size=0",
+               "objective.num_minibatches=2", "optim.warmup_steps=3", "optim.schedule=linear",
+               "logging.samples_every=0")
+    trainer = Trainer(cfg, reward_fns=[char_codes]).setup()
+    used = []
+    trainer.optimizer.register_step_pre_hook(
+        lambda opt, *_: used.append(opt.param_groups[0]["lr"]))
+    trainer.train()
+    factor = _lr_lambda(cfg, 4)
+    assert used == pytest.approx([3e-3 * factor(i) for i in range(4)])
+    rows = [json.loads(x) for x in open(trainer.run_dir / "metrics.jsonl") if "train/lr" in x]
+    assert [r["train/lr"] for r in rows] == pytest.approx([(used[0] + used[1]) / 2,
+                                                           (used[2] + used[3]) / 2])
+
+
 def test_resume_is_bit_identical(tmp_path):
     straight = Trainer(_cfg(tmp_path, "a", "steps=4"), reward_fns=[starts_with_digit]).setup()
     straight.train()
