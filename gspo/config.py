@@ -365,7 +365,8 @@ class TrainConfig:
     run_name: str = _f("", "run folder name (empty: a timestamp)")
     resume: str = _f(
         "", "run folder to resume from its latest checkpoint (`gspo train resume=RUN` without a "
-        "CONFIG.yaml starts from RUN/config.yaml; key=value overrides still apply)")
+        "CONFIG.yaml starts from RUN/config.yaml; key=value overrides still apply; the run "
+        "stays in RUN: `gspo train` refuses an output_dir/run_name naming another folder)")
     device: str = _f(
         "auto", "where the policy trains and the hf engine samples: 'auto' (the GPU when "
         "torch sees one, else the CPU), 'cpu', 'cuda' or 'cuda:N'; under torchrun each rank "

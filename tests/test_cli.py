@@ -186,6 +186,20 @@ def test_resume_without_checkpoint(capsys, tmp_path):
     assert "checkpoint" in fail(capsys, tmp_path, TINY, f"resume={empty}")
 
 
+def test_resume_refuses_a_run_name_naming_another_folder(capsys, tmp_path):
+    """``resume=RUN`` continues in RUN: a run_name (with the output_dir) naming another folder
+    would be silently ignored, so it is a one-line error (the run's own name is fine)."""
+    run = tmp_path / "old" / "first"
+    run.mkdir(parents=True)
+    err = fail(capsys, tmp_path, TINY, f"resume={run}", "run_name=forked")
+    assert "another one" in err and "forked" in err
+    # the run's own folder, written another way, is no error (it fails later: no checkpoint)
+    assert main(["train", TINY, f"resume={run}/", f"output_dir={tmp_path / 'old'}",
+                 "run_name=first"]) == 2
+    _, err = capsys.readouterr()
+    assert "checkpoint" in err and "another one" not in err
+
+
 def test_resume_continues_with_the_runs_own_config(tmp_path, monkeypatch):
     """``gspo train resume=RUN`` (the line an interrupted run prints) continues the run with
     RUN/config.yaml, not with the defaults (which silently switched a GRPO run on a tiny model

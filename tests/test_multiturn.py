@@ -277,6 +277,36 @@ def test_dynamic_sampling_trains_multi_turn_rows_on_the_policys_tokens_only(tmp_
         assert any(not all(m) for m in mask)
     assert all(r["rollout/observation_tokens_mean"] > 0 and r["rollout/turns_mean"] == 2
                for r in rows)
+    for r in rows:  # tokens/s counts what the policy sampled, not the environment's tokens
+        assert r["dynamic/response_tokens_sampled"] == pytest.approx(
+            r["perf/rollout_tokens_per_s"] * r["time/rollout_s"])
+
+
+def test_length_buckets_span_every_turns_tokens(tmp_path, monkeypatch):
+    """``diag/clip_frac_len_q*`` divide the policy's token cap of an episode, max_new_tokens ×
+    max_turns (they divided one turn's cap, so every two-turn episode past it fell in q4)."""
+    import gspo.trainer.trainer as trainer_module
+
+    spans = []
+
+    class Recording(trainer_module.StepDiagnostics):
+        def __init__(self, objective, max_new_tokens):
+            spans.append(max_new_tokens)
+            super().__init__(objective, max_new_tokens)
+    monkeypatch.setattr(trainer_module, "StepDiagnostics", Recording)
+    _two_turn_run(tmp_path, "buckets", "steps=1")
+    assert spans == [5 * 2]
+
+
+def test_rollout_tokens_per_s_counts_the_policys_tokens_only(tmp_path):
+    """In a multi-turn run ``perf/rollout_tokens_per_s`` divides the policy's sampled tokens
+    by the rollout time; the observation tokens were written by the environment."""
+    _, rows = _two_turn_run(tmp_path, "tps")
+    n_rows = 2 * 4
+    for r in rows:
+        assert r["rollout/observation_tokens_mean"] > 0
+        assert r["perf/rollout_tokens_per_s"] * r["time/rollout_s"] == pytest.approx(
+            r["rollout/model_tokens_mean"] * n_rows)
 
 
 def test_async_steps_run_multi_turn_episodes_in_the_engine_process(tmp_path, monkeypatch):
@@ -324,3 +354,33 @@ def test_a_gspo_engine_runs_lora_multi_turn_episodes_as_the_spawned_engine_does(
     for key in ("train/loss", "rollout/turns_mean", "rollout/observation_tokens_mean"):
         assert [r[key] for r in remote] == [r[key] for r in local], key
     assert all(r["async/engine_mismatch_abs_max"] < 3e-5 for r in remote)
+
+
+def test_openenv_adapter_seeds_every_row_of_a_group_alike():
+    """Rows of one group (one prompt) reset with one seed, another prompt with another, and an
+    environment whose reset takes no seed is reset without one."""
+    from gspo.rollout.openenv_adapter import OpenEnvAdapter
+
+    class Random:
+        def __init__(self):
+            self.seeds = []
+
+        def reset(self, seed=None, episode_id=None):
+            self.seeds.append(seed)
+
+        def step(self, action):
+            raise AssertionError("not stepped here")
+
+    class NoSeed:
+        def reset(self, episode_id=None):
+            self.episode_id = episode_id
+
+    inner = Random()
+    env = OpenEnvAdapter(inner, action=str, observe=str)
+    for prompt in ("What is 2+3?", "What is 2+3?", "What is 4+4?"):
+        env.reset(prompt, answer="5")
+    assert inner.seeds[0] == inner.seeds[1] != inner.seeds[2]
+    assert all(isinstance(s, int) and 0 <= s < 2**63 for s in inner.seeds)
+    plain = NoSeed()
+    OpenEnvAdapter(plain, action=str, observe=str).reset("q")
+    assert plain.episode_id == "1"

@@ -80,6 +80,13 @@ def cmd_train(args: list[str]) -> int:
     if path is None:  # `gspo train resume=RUN [key=value ...]`: the run's own config
         path = _resumed_run_config(overrides)
     cfg = load_config(path, overrides)
+    if cfg.resume and cfg.run_name:
+        named = Path(cfg.output_dir) / cfg.run_name
+        if named.resolve() != Path(cfg.resume).resolve():
+            raise ConfigError(
+                f"resume={cfg.resume} continues the run in its own folder; output_dir and "
+                f"run_name name another one ({named}): drop them (to fork a run, copy its "
+                "folder and resume the copy)")
     from gspo.trainer import Trainer
 
     start = time.time()

@@ -28,9 +28,11 @@ class RewardSpecError(ValueError):
 # then digits with optional thousands commas and decimals ("1,234.5"), or only decimals (".5", not
 # the ".5" of "1.2.5" or "...5"). \d is any Unicode decimal digit (Arabic-Indic, fullwidth, ...).
 # A comma is a thousands separator only between groups of three digits: "2,3" and "(4,5)" are
-# two numbers, not 23 and 45.
+# two numbers, not 23 and 45. A minus right after a digit is a range or a subtraction, not a
+# sign: "pages 3-4" ends with 4, "5-3" with 3.
 _NUMBER = re.compile(
-    r"[-\u2212\uff0d]?(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|(?<![\d.])\.\d+)")
+    r"(?:(?<!\d)[-\u2212\uff0d])?"
+    r"(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|(?<![\d.])\.\d+)")
 
 
 def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
@@ -62,7 +64,7 @@ def resolve_reward(spec: str | RewardFn) -> RewardFn:
 
 def _last_number_text(text: str) -> str | None:
     """The last number in ``text`` in ASCII (``-1234.5``), or None when there is none."""
-    found = _NUMBER.findall(text)
+    found = _NUMBER.findall(text.replace("{,}", ","))  # LaTeX's thousands comma, 1{,}000
     if not found:
         return None
     out = []

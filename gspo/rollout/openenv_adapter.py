@@ -12,14 +12,27 @@ so it needs no server: :class:`OpenEnvAdapter` drives the ``Environment`` object
 
 The observation's ``reward`` is not used: rewards come from ``reward.functions`` on the whole
 transcript. Nothing here imports ``openenv``; any object with that ``reset``/``step`` works.
+
+Each episode is reset with ``seed=`` a stable hash of its prompt (where ``reset`` takes a
+``seed``), so every row of a GRPO group starts from the same environment state, and a run
+starts each prompt's episodes from the same states every time: a group's advantages compare
+responses to one task, not to as many random starts as it has rows. The state ``reset``
+returns is not shown to the policy: the prompt comes from the dataset.
 """
 
 from __future__ import annotations
 
+import hashlib
+import inspect
 from collections.abc import Callable
 from typing import Any
 
 from gspo.rollout.envs import Step
+
+
+def prompt_seed(prompt: str) -> int:
+    """A seed that depends on the prompt's text only (63 bits, the same in every process)."""
+    return int.from_bytes(hashlib.blake2b(prompt.encode(), digest_size=8).digest(), "big") >> 1
 
 
 class OpenEnvAdapter:
@@ -29,10 +42,19 @@ class OpenEnvAdapter:
                  observe: Callable[[Any], str]) -> None:
         self.env, self.action, self.observe = env, action, observe
         self.episode = 0
+        try:
+            params = inspect.signature(env.reset).parameters
+        except (TypeError, ValueError):  # a builtin or C callable: no seed passed
+            params = {}  # type: ignore[assignment]
+        self._takes_seed = "seed" in params or any(
+            p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
     def reset(self, prompt: str, **columns: Any) -> None:
         self.episode += 1
-        self.env.reset(episode_id=str(self.episode))
+        kwargs: dict[str, Any] = {"episode_id": str(self.episode)}
+        if self._takes_seed:
+            kwargs["seed"] = prompt_seed(prompt)
+        self.env.reset(**kwargs)
 
     def step(self, response: str) -> Step:
         obs = self.env.step(self.action(response))

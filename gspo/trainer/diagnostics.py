@@ -9,8 +9,10 @@ over minibatches or ranks, so :class:`StepDiagnostics` keeps every row's value a
   (arXiv:2507.18071 v2, Eq. (7)) over every (minibatch step, row) of the step, as each
   minibatch's loss saw it (before its own optimizer step; the first minibatch of the first
   epoch runs at θ = θ_old, so its rows sit at exactly 1).
-* ``diag/clip_frac_len_q1`` … ``q4``: clipped-token fraction among responses whose length is in
-  the first … last quarter of ``rollout.max_new_tokens`` (q4 holds the truncated ones). Each
+* ``diag/clip_frac_len_q1`` … ``q4``: clipped-token fraction among responses whose length (the
+  policy's tokens) is in the first … last quarter of the most the policy can sample,
+  ``rollout.max_new_tokens`` × ``rollout.max_turns`` (single-turn: q4 holds the truncated
+  ones). Each
   bucket's rows are passed through the objective itself, so "clipped" means what the
   objective's ``objective/clip_frac_tokens`` means (for objectives whose clipping depends on
   the whole batch, such as covariance-selected tokens, it is the bucket's own selection).
@@ -29,12 +31,14 @@ __all__ = ["BUCKETS", "QUANTILES", "StepDiagnostics"]
 
 QUANTILES: tuple[tuple[str, float], ...] = (
     ("p01", 0.01), ("p10", 0.10), ("p50", 0.50), ("p90", 0.90), ("p99", 0.99))
-BUCKETS = 4  # length quarters of max_new_tokens
+BUCKETS = 4  # length quarters of the policy's token cap
 
 
 class StepDiagnostics:
     """Collect rows over a step's minibatch steps (:meth:`observe`), reduce once
-    (:meth:`metrics`). ``objective``: the step's :class:`gspo.objectives.Objective`."""
+    (:meth:`metrics`). ``objective``: the step's :class:`gspo.objectives.Objective`;
+    ``max_new_tokens``: the most tokens the policy samples in one response (its turns'
+    caps summed in a multi-turn episode), the span the length buckets divide."""
 
     def __init__(self, objective: Any, max_new_tokens: int) -> None:
         self.objective, self.max_new_tokens = objective, max_new_tokens

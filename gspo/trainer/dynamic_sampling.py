@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from gspo.rollout import Rollout
-from gspo.rollout.batch import join_replayed, join_routing
+from gspo.rollout.batch import join_replayed, join_routing, policy_tokens
 from gspo.rollout.multiturn import episode_metrics
 
 __all__ = ["Draw", "DynamicBatch", "ZeroSignalWatch", "collect", "concat_rollouts",
@@ -142,8 +142,8 @@ def collect(first: Draw, draw: Callable[[int], Draw], *, prompts_per_step: int,
         "dynamic/extra_s": extra_s,
         "dynamic/cap_reached": float(len(kept) < prompts_per_step),
         "dynamic/responses_sampled": float(sampled.numel()),
-        "dynamic/response_tokens_sampled": float(sum(len(y) for d in draws
-                                                     for y in d.roll.response_ids)),
+        "dynamic/response_tokens_sampled": float(sum(
+            sum(policy_tokens(d.roll.response_ids, d.roll.model_mask)) for d in draws)),
         "dynamic/sampled_reward_mean": float(sampled.nanmean()) if sampled.numel() else 0.0,
         "dynamic/zero_signal_frac_sampled": 1.0 - sum(int(s.sum()) for s in signal) / n_sampled,
     }

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from gspo.data import DataError
+from gspo.rollout.batch import policy_tokens
 
 
 def to_float(v: Any) -> float:
@@ -209,8 +210,9 @@ def rollout_metrics(roll: Any, batch: dict[str, torch.Tensor], entropy: torch.Te
     a mean over the tokens of ``batch["response_mask"]``: NaN (``null`` in metrics.jsonl)
     when it holds none (``rollout.mask_truncated`` with every response truncated), and so is
     the gap, then measured on no token.
-    ``sampled_tokens``: the global count of response tokens sampled in ``t["rollout"]``
-    (dynamic sampling's discarded draws included); default the batch's."""
+    ``sampled_tokens``: the global count of tokens the policy sampled in ``t["rollout"]``
+    (dynamic sampling's discarded draws included); default the batch's. Either way a
+    multi-turn episode's observation tokens are not counted: the environment wrote them."""
     mask = batch["response_mask"]
     lengths = torch.tensor([len(r) for r in roll.response_ids], dtype=torch.float64)
     skipped = entropy is None or gap is None
@@ -220,15 +222,17 @@ def rollout_metrics(roll: Any, batch: dict[str, torch.Tensor], entropy: torch.Te
         (entropy * mask).sum().double().cpu(), mask.sum().double().cpu(), lengths.sum(),
         torch.tensor(float(len(roll)), dtype=torch.float64),
         torch.tensor(float(sum(roll.truncated)), dtype=torch.float64),
-        batch["attention_mask"].sum().double().cpu()]))
-    ent, n_tok, len_sum, n_rows, truncated, n_tokens = sums.tolist()
+        batch["attention_mask"].sum().double().cpu(),
+        torch.tensor(float(sum(policy_tokens(roll.response_ids, roll.model_mask))),
+                     dtype=torch.float64)]))
+    ent, n_tok, len_sum, n_rows, truncated, n_tokens, n_policy = sums.tolist()
     len_max, gap_max = dist.all_reduce(
         torch.stack([lengths.max(), gap.abs().max().double().cpu()]), "max").tolist()
     out = {
         "rollout/response_len_mean": len_sum / n_rows,
         "rollout/response_len_max": len_max,
         "rollout/truncated_frac": truncated / n_rows,
-        "perf/rollout_tokens_per_s": (len_sum if sampled_tokens is None else sampled_tokens)
+        "perf/rollout_tokens_per_s": (n_policy if sampled_tokens is None else sampled_tokens)
         / max(t["rollout"], 1e-9),
         "perf/update_tokens_per_s": n_tokens * epochs / max(t["update"], 1e-9),
     }

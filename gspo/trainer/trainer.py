@@ -863,8 +863,9 @@ class Trainer:
                              objective=self.objective, temperature=cfg.rollout.temperature,
                              chunk=cfg.logprob_chunk, grad_clip=cfg.optim.grad_clip,
                              hooks=self.hooks, dist=self.dist, logprob_fn=self.logprob_fn,
-                             diagnostics=StepDiagnostics(self.objective,
-                                                         cfg.rollout.max_new_tokens))
+                             diagnostics=StepDiagnostics(
+                                 self.objective,
+                                 cfg.rollout.max_new_tokens * cfg.rollout.max_turns))
 
     def sync(self) -> None:
         """The next rollout samples from the updated policy (FSDP2: from its gathered weights,

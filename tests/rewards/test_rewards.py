@@ -51,6 +51,12 @@ def nm(completion: str, answer: str) -> float | None:
     ("1,234.5", "1234.5", 1.0),
     ("it costs 1,000, not 900", "900", 1.0),
     ("it costs 1,000.", "1000", 1.0),
+    # a minus right after a digit is not a sign; LaTeX writes the thousands comma as {,}
+    ("pages 3-4", "4", 1.0),
+    ("pages 3-4", "-4", 0.0),
+    ("5\u22123", "3", 1.0),
+    ("x = -4", "-4", 1.0),
+    ("\\boxed{1{,}000}", "1000", 1.0),
 ])
 def test_numeric_match(completion, answer, expected):
     assert nm(completion, answer) == expected
