@@ -89,7 +89,9 @@ class RewardConfig:
         0.5, "stop the run if more than this fraction of a step's responses cannot be scored")
     overlong_buffer: int = _f(
         0, "DAPO soft overlong punishment: add a reward term falling linearly from 0 to -1 over "
-        "the last overlong_buffer tokens before rollout.max_new_tokens (0 = off)")
+        "the last overlong_buffer tokens before rollout.max_new_tokens, with 1 added (logged as "
+        "reward/overlong, 1 = within budget; reward/mean is 1 higher, advantages unchanged; "
+        "0 = off)")
     timeout_s: float = _f(
         60.0, "seconds a reward function may take on one batch; past it the batch is unscorable "
         "for that function and its hung thread is left running as a daemon (0 = no limit)")
@@ -115,8 +117,9 @@ class RolloutConfig:
         "hf", "rollout engine (gspo.rollout.ENGINES): 'hf' (own KV-cached sampler), 'vllm' or "
         "'llamacpp' (llama.cpp on Q8_0 weights)")
     fast_decode: bool = _f(
-        True, "engine=hf: prefill and decode steps of Llama/Qwen2/Qwen3 dense models skip "
-        "forward()'s per-call overhead (same arithmetic; other models always use forward)")
+        True, "engine=hf: prefill and decode steps of Llama/Qwen2/Qwen3 models and their MoE "
+        "siblings Mixtral/Qwen2-MoE/Qwen3-MoE skip forward()'s per-call overhead (same "
+        "arithmetic; other models always use forward)")
     decode_matmul: Literal["auto", "blas", "onednn"] = _f(
         "auto", "engine=hf with fast_decode: the decode steps' matrix products through 'blas' "
         "(F.linear: MKL on x86) or 'onednn' (weights packed once per rollout for oneDNN; CPU "
@@ -144,8 +147,10 @@ class RolloutConfig:
     dynamic_sampling: bool = _f(
         False, "DAPO dynamic sampling (arXiv:2503.14476 v1, Sec. 3.2): drop groups whose "
         "rewards are all equal and draw more prompts until prompts_per_step groups carry "
-        "signal (one process only; with rollout.async_steps > 0 the extra draws are sampled "
-        "by the trainer on the step's own weights; see gspo.trainer.dynamic_sampling)")
+        "signal (under torchrun every rank keeps the groups one process would; with "
+        "rollout.async_steps > 0 the extra draws are sampled on the step's own weights, by the "
+        "trainer with engine=hf, by the engine process with vllm; see "
+        "gspo.trainer.dynamic_sampling)")
     dynamic_max_extra_batches: int = _f(
         4, "dynamic_sampling: most extra rollout batches per step; past them the step trains "
         "on the groups with signal it has (logged as dynamic/cap_reached)")
@@ -374,10 +379,12 @@ class TrainConfig:
     dtype: Literal["float32", "bfloat16"] = _f("float32", "parameter and compute dtype")
     logprob_chunk: int = _f(256, "positions per chunk when computing fp32 log-probs")
     logprob_packing: bool = _f(
-        True, "trainer log-prob passes run each distinct prompt once (dense models, not FSDP2)")
+        True, "trainer log-prob passes run each distinct prompt once (dense and MoE models; "
+        "not under FSDP2)")
     lean_forward: bool = _f(
-        True, "trainer log-prob passes of Llama/Qwen2/Qwen3 dense models skip forward()'s "
-        "per-call overhead (same arithmetic; other models always use forward)")
+        True, "trainer log-prob passes of Llama/Qwen2/Qwen3 models and their MoE siblings "
+        "Mixtral/Qwen2-MoE/Qwen3-MoE skip forward()'s per-call overhead (same arithmetic; "
+        "other models always use forward)")
     compile_layers: bool = _f(
         False, "the lean log-prob passes run each decoder layer through torch.compile "
         "(inductor fuses the elementwise work around the products; equal to fp32 rounding, "

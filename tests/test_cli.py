@@ -200,6 +200,30 @@ def test_resume_refuses_a_run_name_naming_another_folder(capsys, tmp_path):
     assert "checkpoint" in err and "another one" not in err
 
 
+def test_resume_of_a_copied_run_or_from_another_directory_keeps_its_saved_name(
+        capsys, tmp_path, monkeypatch):
+    """RUN/config.yaml names the folder the run was started in (output_dir relative to the
+    directory it was started from): ``gspo train resume=COPY`` (what the refusal itself advises
+    for a fork) and a resume from another directory continue the run; only a run_name given
+    on the command line is checked (each fails later here: there is no checkpoint)."""
+    from gspo.config import load_config, to_dict
+
+    monkeypatch.chdir(tmp_path)
+    saved = to_dict(load_config(None, [TINY, "output_dir=runs", "run_name=first"]))
+    for name in ("first", "fork"):
+        (tmp_path / "runs" / name).mkdir(parents=True)
+        (tmp_path / "runs" / name / "config.yaml").write_text(yaml.safe_dump(saved))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    for cwd, run in ((tmp_path, "runs/fork"), (elsewhere, str(tmp_path / "runs" / "first"))):
+        monkeypatch.chdir(cwd)
+        assert main(["train", f"resume={run}"]) == 2
+        _, err = capsys.readouterr()
+        assert "checkpoint" in err and "another one" not in err, err
+    assert main(["train", f"resume={tmp_path / 'runs' / 'first'}", "run_name=forked"]) == 2
+    assert "another one" in capsys.readouterr().err
+
+
 def test_resume_continues_with_the_runs_own_config(tmp_path, monkeypatch):
     """``gspo train resume=RUN`` (the line an interrupted run prints) continues the run with
     RUN/config.yaml, not with the defaults (which silently switched a GRPO run on a tiny model

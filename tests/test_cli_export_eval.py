@@ -273,3 +273,20 @@ def test_eval_end_to_end(capsys, runs):
 def test_eval_with_nothing_to_evaluate_is_an_error(capsys):
     assert "task.eval_size=0" in fails(capsys, "eval", "--model", "tiny:llama", "num_threads=1",
                                        "task.eval_size=0")
+
+
+def test_train_names_no_final_checkpoint_that_save_final_false_did_not_write(tmp_path, capsys):
+    """``gspo train``'s last line names the weights it wrote; with save_final=false there is
+    no checkpoint of the last step, so it must not name one (it did: step_00000N)."""
+    args = ["train", "model=tiny:llama", f"output_dir={tmp_path}", "run_name=r",
+            "progress=false", "tensorboard=false", "steps=1", "eval_before=false",
+            "rollout.max_new_tokens=3", "rollout.prompts_per_step=2", "rollout.group_size=2",
+            "objective.num_minibatches=2", *TINY]
+    assert main([*args, "save_final=false"]) == 0
+    out = capsys.readouterr().out
+    assert not (tmp_path / "r" / "checkpoints").exists()
+    assert "step_000001" not in out and "no checkpoint of the last step" in out, out
+    assert main([*args, "run_name=saved"]) == 0  # the default: the checkpoint it wrote
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert f"weights: {tmp_path / 'saved' / 'checkpoints' / 'step_000001'} (" in line, line
+    assert (tmp_path / "saved" / "checkpoints" / "step_000001").is_dir()

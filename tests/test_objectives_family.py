@@ -363,6 +363,41 @@ def test_dppo_masks_a_low_probability_token_by_divergence_not_by_ratio():
     assert g_grpo.item() == 0.0  # GRPO's ratio clip stops this token
 
 
+@pytest.mark.parametrize("spread", [0.3, 1.0])
+@pytest.mark.parametrize(("name", "d_low", "d_high"), [
+    ("dppo_tv", 0.02, 0.4), ("dppo_tv", 0.4, 0.02),
+    ("dppo_kl", 0.002, 0.3), ("dppo_kl", 0.3, 0.002),
+])
+def test_dppo_asymmetric_deltas_bind_on_their_own_side(name, d_low, d_high, spread):
+    """δ_low bounds moves against a negative advantage, δ_high those with a positive one:
+    with δ_low ≠ δ_high the loss still matches the float64 reference."""
+    lp, old, adv, mask = _batch(seed=5, spread=spread)
+    prefix = name.split("_")[1]  # tv / kl
+    loss, _ = OBJECTIVES[name](lp, old, adv, mask, **{f"{prefix}_delta_low": d_low,
+                                                      f"{prefix}_delta_high": d_high})
+    ref = {"dppo_tv": ref_dppo_tv, "dppo_kl": ref_dppo_kl}[name]
+    expected = ref(lp, old, adv, mask, d_low=d_low, d_high=d_high)
+    assert loss.item() == pytest.approx(expected, rel=1e-9, abs=1e-12)
+
+
+def test_dppo_kl_divergence_is_kl_of_the_old_policy_to_the_new():
+    """D = KL(Bern(π_old) ‖ Bern(π)), not the reverse: at π_old = 0.5, π = 0.8 the two
+    directions are 0.2231 and 0.1927, on either side of δ_high = 0.2."""
+    from gspo.objectives.family import binary_kl
+
+    q, p = 0.5, 0.8
+    forward = q * math.log(q / p) + (1 - q) * math.log((1 - q) / (1 - p))
+    log_q, log_p = (torch.tensor([math.log(x)], dtype=F64) for x in (q, p))
+    value = binary_kl(log_q, log_p)
+    assert value.item() == pytest.approx(forward, rel=1e-12)
+    x = torch.tensor([[math.log(p)]], dtype=F64, requires_grad=True)
+    loss, stats = OBJECTIVES["dppo_kl"](x, torch.tensor([[math.log(q)]], dtype=F64),
+                                        torch.ones(1, dtype=F64), torch.ones(1, 1, dtype=F64),
+                                        kl_delta_high=0.2)
+    (g,) = torch.autograd.grad(loss, x)
+    assert g.item() == 0.0 and stats["objective/clip_frac_tokens_high"].item() == 1.0
+
+
 def test_gpg_gradient_is_the_token_mean_policy_gradient():
     lp, old, adv, mask = _batch(seed=17)
     x = lp.clone().requires_grad_(True)

@@ -75,18 +75,36 @@ def _resumed_run_config(overrides: list[str]) -> str | None:
     return str(saved) if saved is not None and saved.is_file() else None
 
 
+def _check_resume_folder(cfg: TrainConfig, overrides: list[str], *, runs_own: bool) -> None:
+    """``resume=RUN`` continues the run in RUN: an ``output_dir``/``run_name`` naming another
+    folder is a :class:`ConfigError`. When the config is RUN/config.yaml (``runs_own``), its
+    output_dir and run_name say where the run was started, from the directory it was started
+    in: a copy of the folder, or the run resumed from another directory, is no error, so only
+    an output_dir or run_name given on the command line is checked then."""
+    if not cfg.resume or not cfg.run_name:
+        return
+    if runs_own:
+        from gspo.config import parse_override
+
+        given = {key for item in overrides
+                 for key in _keys_set(parse_override(item, TrainConfig), TrainConfig)}
+        if not given & {"output_dir", "run_name"}:
+            return
+    named = Path(cfg.output_dir) / cfg.run_name
+    if named.resolve() != Path(cfg.resume).resolve():
+        raise ConfigError(
+            f"resume={cfg.resume} continues the run in its own folder; output_dir and "
+            f"run_name name another one ({named}): drop them (to fork a run, copy its "
+            "folder and resume the copy)")
+
+
 def cmd_train(args: list[str]) -> int:
     path, overrides = _split_args(args)
+    runs_own = path is None
     if path is None:  # `gspo train resume=RUN [key=value ...]`: the run's own config
         path = _resumed_run_config(overrides)
     cfg = load_config(path, overrides)
-    if cfg.resume and cfg.run_name:
-        named = Path(cfg.output_dir) / cfg.run_name
-        if named.resolve() != Path(cfg.resume).resolve():
-            raise ConfigError(
-                f"resume={cfg.resume} continues the run in its own folder; output_dir and "
-                f"run_name name another one ({named}): drop them (to fork a run, copy its "
-                "folder and resume the copy)")
+    _check_resume_folder(cfg, overrides, runs_own=runs_own and path is not None)
     from gspo.trainer import Trainer
 
     start = time.time()
@@ -111,8 +129,11 @@ def cmd_train(args: list[str]) -> int:
               f"({int(after['n'])} problems, greedy); wall time {wall / 60:.1f} min")
     kind = ("LoRA adapter (merge: gspo export RUN_DIR --merged OUT)" if cfg.lora.r
             else "from_pretrained-loadable")
-    print(f"weights: {trainer.run_dir}/checkpoints/step_{trainer.step:06d} "
-          f"({kind}); metrics: {trainer.run_dir}/metrics.jsonl")
+    ckpt = Path(trainer.run_dir) / "checkpoints" / f"step_{trainer.step:06d}"
+    # save_final=false writes no checkpoint of the last step: name none that is not there
+    weights = (f"{ckpt} ({kind})" if ckpt.is_dir()
+               else "no checkpoint of the last step (save_final=false)")
+    print(f"weights: {weights}; metrics: {trainer.run_dir}/metrics.jsonl")
     return 0
 
 

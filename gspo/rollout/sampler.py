@@ -9,7 +9,7 @@ Differences from ``model.generate`` that matter for RL:
   ``torch.multinomial``, so the same seed gives different samples than ``model.generate``
   (same distribution);
 - the KV cache has room reserved for the new tokens instead of growing by concatenation;
-- with ``fast_decode`` (Llama-family dense models), decode steps run through
+- with ``fast_decode`` (Llama-family models, MoE siblings included), decode steps run through
   :class:`gspo.models.decode.DenseDecoder`, and the prefill through
   :func:`gspo.models.lean_forward.lean_hidden`: the same arithmetic as ``forward`` without its
   per-call overhead.

@@ -164,6 +164,30 @@ def test_signal_fractions_leave_zero_advantage_rows_out(name):
     assert none["objective/clip_frac_tokens_signal"] == 0.0
 
 
+@pytest.mark.parametrize("name", ["gspo", "gspo_token", "grpo"])
+def test_signal_fractions_count_rows_with_a_negative_advantage(name):
+    """Â ≠ 0, not Â > 0, is what makes a row carry signal: a clipped row with Â < 0 counts."""
+    lo = math.log(0.6)
+    lp, old, adv, mask = _two_rows([lo, lo, lo], [-1.0, 1.0, 0.0])
+    _, _, stats = _grad(OBJECTIVES[name], lp, old, adv, mask, eps_low=0.2, eps_high=0.3)
+    # row 0 (Â<0, ratio 0.6 < 0.8) is clipped-low; row 1 (Â>0) is not; row 2 has no signal
+    assert stats["objective/clip_frac_seqs_signal"] == 0.5
+    assert stats["objective/clip_frac_tokens_signal"] == 0.5
+    assert stats["objective/clip_frac_seqs_low"] == pytest.approx(1 / 3)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_old_logprobs_get_no_gradient(name):
+    """π_old is stop-gradient even when the caller's tensor requires grad."""
+    lp, old, adv, mask = _batch(scale=0.3)
+    lp = lp.clone().requires_grad_(True)
+    old = old.clone().requires_grad_(True)
+    loss, _ = OBJECTIVES[name](lp, old, adv, mask, eps_low=0.2, eps_high=0.28)
+    loss.backward()
+    assert lp.grad is not None and lp.grad.abs().sum() > 0
+    assert old.grad is None
+
+
 def test_grpo_clipping_is_per_token():
     hi, lo, mid = math.log(1.5), math.log(0.6), 0.05
     old = torch.zeros(2, 3, dtype=F64) - 1.0
@@ -226,6 +250,23 @@ def test_empty_row_changes_nothing(name):
     torch.testing.assert_close(l1, l2)
     torch.testing.assert_close(g1, g2[:-1])
     assert torch.all(g2[-1] == 0)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_empty_row_changes_no_stat(name):
+    """Stats are means / extremes over valid rows and response tokens: a row without response
+    tokens (its padding holding garbage) changes none of them, ``seq_ratio_min``/``_max``
+    included (all valid rows have s_i > 1 here, the empty row's padding would give 1)."""
+    lp, old, adv, mask = _batch(seed=4, scale=0.2)
+    lp = old + (lp - old).abs() + 0.01  # every token ratio, hence every s_i, above 1
+    kw = dict(eps_low=0.1, eps_high=0.1)
+    _, s1 = OBJECTIVES[name](lp, old, adv, mask, **kw)
+    pad = lambda x, v: torch.cat([x, torch.full((1, x.shape[1]), v, dtype=F64)])  # noqa: E731
+    _, s2 = OBJECTIVES[name](pad(lp, 0.0), pad(old, 0.0), torch.cat([adv, adv[:1]]),
+                             pad(mask, 0.0), **kw)
+    assert float(s1["objective/seq_ratio_min"]) > 1
+    for key in s1:
+        torch.testing.assert_close(s2[key], s1[key], msg=key)
 
 
 @pytest.mark.parametrize("name", ALL)

@@ -207,3 +207,73 @@ def test_rotary_embeddings_that_adapt_to_the_length_are_the_documented_engine_mi
         gap[name] = float(((lp - b["old_logprobs"]) * b["response_mask"]).abs().max())
     assert gap["llama_default"] < 1e-5, gap
     assert gap["phi3_longrope"] > 1e-4 and gap["llama_dynamic"] > 1e-5, gap
+
+
+def test_logprobs_under_top_k_top_p_are_the_policys_not_the_filtered_distributions():
+    """With top-k/top-p the tokens come from the filtered distribution, but the returned
+    log-probs are log_softmax(logits / T) over the whole vocabulary: what the trainer
+    recomputes (the renormalised filtered log-prob would be higher)."""
+    model, tok, prompts = _setup()
+    roll = generate(model, prompts, group_size=4, eos=[tok.eos_token_id], pad_id=0,
+                    params=SamplingParams(max_new_tokens=8, temperature=0.8, top_k=20,
+                                          top_p=0.9),
+                    generator=torch.Generator().manual_seed(0))
+    batch = pad_batch(roll.prompt_ids, roll.response_ids, 0, roll.logprobs)
+    with torch.no_grad():
+        lp, _ = token_logprobs(model, batch["input_ids"], batch["attention_mask"],
+                               batch["response_mask"], temperature=0.8)
+    on = batch["response_mask"] > 0
+    assert (lp - batch["old_logprobs"])[on].abs().max() < 3e-5
+
+
+def test_top_k_keeps_exactly_k_entries_without_ties():
+    logits = torch.log(torch.tensor([[0.05, 0.5, 0.15, 0.3]]))
+    for k in (1, 2, 3):
+        kept = ~torch.isinf(_filter(logits, k, 1.0)[0])
+        assert kept.sum() == k
+        assert kept[logits[0].topk(k).indices].all()
+
+
+def test_a_response_that_emits_eos_ends_with_it():
+    """The EOS token is the last token of its response (trained on, with its log-prob);
+    only responses cut at ``max_new_tokens`` are flagged truncated."""
+    model, _, prompts = _setup(seed=3)
+    eos = list(range(1, 60))  # many EOS ids: most rows end early
+    params = SamplingParams(max_new_tokens=10, temperature=1.0)
+    roll = generate(model, prompts, group_size=4, params=params, eos=eos, pad_id=0,
+                    generator=torch.Generator().manual_seed(1))
+    ended = [not t for t in roll.truncated]
+    assert any(ended) and not all(ended)
+    for ids, lp, trunc in zip(roll.response_ids, roll.logprobs, roll.truncated):
+        assert len(ids) >= 1 and len(lp) == len(ids)
+        assert (ids[-1] in eos) != trunc
+        assert not set(ids[:-1]) & set(eos)
+        assert not trunc or len(ids) == 10
+    batch = pad_batch(roll.prompt_ids, roll.response_ids, 0, roll.logprobs)
+    with torch.no_grad():
+        lp, _ = token_logprobs(model, batch["input_ids"], batch["attention_mask"],
+                               batch["response_mask"])
+    on = batch["response_mask"] > 0
+    assert (lp - batch["old_logprobs"])[on].abs().max() < 3e-5
+
+
+def test_each_step_draws_with_a_fresh_uniform():
+    """Successive tokens of a row are drawn with independent uniforms: the positions of the
+    sampled tokens in their step's inverse CDF (vocabulary order) are uncorrelated across
+    steps. Reusing one uniform per row would make them nearly equal (correlation ~1)."""
+    model, _, prompts = _setup()
+    n, temperature = 512, 1.5
+    roll = generate(model, prompts[:1], group_size=n, eos=[0], pad_id=0,
+                    params=SamplingParams(max_new_tokens=2, temperature=temperature),
+                    generator=torch.Generator().manual_seed(0))
+    rows = [i for i, r in enumerate(roll.response_ids) if len(r) == 2]
+    assert len(rows) > n // 2
+    ids = torch.tensor([prompts[0] + roll.response_ids[i] for i in rows])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[:, -3:-1].float() / temperature  # [R, 2, V]
+    probs = torch.softmax(logits, -1).double()
+    tok = ids[:, -2:]
+    below = torch.where(torch.arange(probs.shape[-1]) < tok[..., None], probs, 0.0).sum(-1)
+    mid = below + probs.gather(-1, tok[..., None]).squeeze(-1) / 2  # PIT midpoint [R, 2]
+    corr = torch.corrcoef(mid.t())[0, 1]
+    assert abs(float(corr)) < 0.2
