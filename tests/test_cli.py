@@ -308,6 +308,17 @@ def test_eval_missing_model_folder(capsys, tmp_path):
     assert err.splitlines() == [f"gspo eval: error: model: folder not found: {tmp_path / 'nope'}"]
 
 
+def test_eval_of_a_lora_checkpoint_says_to_merge_it(capsys, tmp_path):
+    """A LoRA run's checkpoint holds an adapter, no config.json: the error says how to get a
+    model out of it."""
+    ckpt = tmp_path / "step_000002"
+    ckpt.mkdir()
+    (ckpt / "adapter_config.json").write_text("{}")
+    assert main(["eval", "--model", str(ckpt), "task.eval_size=2"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert "LoRA adapter" in line and "gspo export RUN_DIR --merged OUT" in line
+
+
 @pytest.mark.parametrize("model, needle", [
     ("tiny:lama", "unknown tiny model 'tiny:lama'"),
     ("/nonexistent/model", "folder not found: /nonexistent/model"),

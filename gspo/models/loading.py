@@ -155,6 +155,9 @@ def _model_folder(name: str) -> Path:
                              f"(known: {known})")
         raise ModelError(f"model: folder not found: {name}")
     if not (path / "config.json").is_file():
+        if (path / "adapter_config.json").is_file():  # a LoRA run's checkpoint
+            raise ModelError(f"model: {name} holds a LoRA adapter, not a model: merge it into "
+                             "its base first (gspo export RUN_DIR --merged OUT) and name OUT")
         raise ModelError(f"model: {name} has no config.json (not a Hugging Face model folder)")
     return path
 

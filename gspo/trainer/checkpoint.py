@@ -106,7 +106,7 @@ def save_checkpoint(root: Path, step: int, model: Any, tokenizer: Any, optim_sta
     atomic_write_text(root / LATEST, name)
     _fsync_dir(root)
     _phase("pointed", step)
-    for old in sorted(p for p in root.glob("step_*") if p.is_dir())[:-keep]:
+    for old in sorted((p for p in root.glob("step_*") if p.is_dir()), key=_step_of)[:-keep]:
         if old.name not in protect:
             _discard(old)
     return final
@@ -119,8 +119,16 @@ def latest_checkpoint(root: Path) -> Path | None:
         candidate = root / pointer.read_text().strip()
         if (candidate / "state.json").is_file():
             return candidate
-    done = sorted(p for p in root.glob("step_*") if (p / "state.json").is_file())
+    done = sorted((p for p in root.glob("step_*") if (p / "state.json").is_file()),
+                  key=_step_of)
     return done[-1] if done else None
+
+
+def _step_of(path: Path) -> tuple[int, str]:
+    """A ``step_N`` folder's order: by N (``step_1000000`` after ``step_999999``, which its
+    name sorts before), then by name for anything that is not a number."""
+    tail = path.name.removeprefix("step_")
+    return (int(tail), "") if tail.isdigit() else (-1, path.name)
 
 
 def load_checkpoint_state(path: Path) -> tuple[dict, dict[str, Any]]:

@@ -516,6 +516,13 @@ class Trainer:
                 f"config: gspo train resume={self.cfg.resume}") from None
         configured = [{k: v for k, v in g.items() if k != "params"}
                       for g in self.optimizer.param_groups]
+        saved_groups = len(optim_state["optimizer"].get("param_groups", configured))
+        if saved_groups != len(configured):  # moe.router_lr_scale 1 in one run, not the other
+            raise ConfigError(
+                f"resume: the checkpoint's optimizer has {saved_groups} parameter group(s), this "
+                f"run {len(configured)}: moe.router_lr_scale must be 1 in both runs or other "
+                f"than 1 in both; resume with the run's own config: gspo train "
+                f"resume={self.cfg.resume}")
         distributed.load_optimizer_state(self.model, self.optimizer, optim_state["optimizer"],
                                          self.dist)
         self.scheduler.load_state_dict(optim_state["scheduler"])

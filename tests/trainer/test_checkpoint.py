@@ -251,3 +251,14 @@ def test_atomic_write_text_replaces_whole_or_not_at_all(tmp_path, monkeypatch):
     atomic_write_text(target, json.dumps({"k": 1}))  # the failed write left nothing in the way
     assert json.loads(target.read_text()) == {"k": 1}
     assert [p.name for p in tmp_path.iterdir()] == ["latest"]
+
+
+def test_steps_past_six_digits_are_ordered_by_number(tmp_path, tiny):
+    """``step_1000000`` sorts before ``step_999999`` by name: pruning kept the older one and
+    the newest complete checkpoint (without the pointer) was the older one."""
+    _save(tmp_path, 999_999, tiny, keep=1)
+    _save(tmp_path, 1_000_000, tiny, keep=1)
+    assert _step_dirs(tmp_path) == ["step_1000000"]
+    _save(tmp_path, 999_998, tiny, keep=2)  # an older step written later (a rollback)
+    (tmp_path / LATEST).unlink()
+    assert latest_checkpoint(tmp_path).name == "step_1000000"

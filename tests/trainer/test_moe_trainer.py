@@ -379,3 +379,20 @@ def test_routing_change_after_update_skips_minibatches_without_a_valid_row(tmp_p
             sum(after) / len(after) if after else 0.0, rel=1e-6)
     assert empty_after_first > 0  # the case under test happened
     assert any(r["moe/routing_change_after_update"] > 0 for r in rows)  # the routers moved
+
+
+def test_resume_with_another_router_group_layout_is_a_config_error(tmp_path):
+    """moe.router_lr_scale = 1 in one run and ≠ 1 in the other changes the optimizer's
+    parameter groups: a one-line config error naming the option, not torch's ValueError."""
+    _run(tmp_path, "first", "model=tiny:qwen3_moe", "save_every=1")
+    cfg = load_config(None, [
+        f"output_dir={tmp_path}", "run_name=first", "progress=false", "steps=3",
+        "rollout.max_new_tokens=5", "rollout.prompts_per_step=2", "rollout.group_size=4",
+        "task.eval_size=0", "eval_before=false", "model=tiny:qwen3_moe",
+        "moe.router_lr_scale=10", f"resume={tmp_path / 'first'}"])
+    trainer = Trainer(cfg, reward_fns=[first_char_digit])
+    try:
+        with pytest.raises(ConfigError, match=r"moe\.router_lr_scale must be 1 in both runs"):
+            trainer.setup()
+    finally:
+        trainer.cleanup()
