@@ -325,7 +325,8 @@ class GuardConfig:
     collapse_entropy_floor: float = _f(
         0.0, "collapse signal: policy entropy per token (train/entropy) below this (0: off); "
         "measured by the trainer's π_old pass: with objective.old_logprobs=rollout or "
-        "rollout.async_steps > 0 (dense policy) only on the logging.rollout_check_every steps")
+        "rollout.async_steps > 0 (dense policy, old_logprobs other than decoupled) only on the "
+        "logging.rollout_check_every steps")
     collapse_ratio_ceiling: float = _f(
         0.0, "collapse signal: largest sequence ratio (objective/seq_ratio_max) above this "
         "(0: off)")

@@ -206,7 +206,9 @@ def rollout_metrics(roll: Any, batch: dict[str, torch.Tensor], entropy: torch.Te
                     dist: Any, sampled_tokens: float | None = None) -> dict[str, float]:
     """Entropy, lengths, truncation, sampler/trainer log-prob gap and throughput over the
     global batch (sums and maxima all-reduced over ``dist``; times are this rank's). Entropy
-    and gap come from the π_old pass; on a step without one they are not logged. Entropy is
+    and gap come from the π_old pass; on a step without one they are not logged, each apart
+    (async: the gap is the engine's against the pass on the behaviour weights, which a step
+    may lack while its pass on this step's weights gives the entropy). Entropy is
     a mean over the tokens of ``batch["response_mask"]``: NaN (``null`` in metrics.jsonl)
     when it holds none (``rollout.mask_truncated`` with every response truncated), and so is
     the gap, then measured on no token.
@@ -215,9 +217,11 @@ def rollout_metrics(roll: Any, batch: dict[str, torch.Tensor], entropy: torch.Te
     multi-turn episode's observation tokens are not counted: the environment wrote them."""
     mask = batch["response_mask"]
     lengths = torch.tensor([len(r) for r in roll.response_ids], dtype=torch.float64)
-    skipped = entropy is None or gap is None
-    if skipped:
-        entropy, gap = torch.zeros_like(mask), torch.zeros(1)
+    no_entropy, no_gap = entropy is None, gap is None
+    if no_entropy:
+        entropy = torch.zeros_like(mask)
+    if no_gap:
+        gap = torch.zeros(1)
     sums = dist.all_reduce(torch.stack([
         (entropy * mask).sum().double().cpu(), mask.sum().double().cpu(), lengths.sum(),
         torch.tensor(float(len(roll)), dtype=torch.float64),
@@ -236,9 +240,10 @@ def rollout_metrics(roll: Any, batch: dict[str, torch.Tensor], entropy: torch.Te
         / max(t["rollout"], 1e-9),
         "perf/update_tokens_per_s": n_tokens * epochs / max(t["update"], 1e-9),
     }
-    if not skipped:
-        out.update({"train/entropy": ent / n_tok if n_tok > 0 else math.nan,
-                    "rollout/logprob_gap_abs_max": gap_max if n_tok > 0 else math.nan})
+    if not no_entropy:
+        out["train/entropy"] = ent / n_tok if n_tok > 0 else math.nan
+    if not no_gap:
+        out["rollout/logprob_gap_abs_max"] = gap_max if n_tok > 0 else math.nan
     return out
 
 

@@ -577,6 +577,29 @@ def test_a_lora_policy_runs_async(tmp_path, monkeypatch):
     assert all(r["async/engine_mismatch_abs_max"] < 3e-5 for r in rows)
 
 
+def test_decoupled_async_logs_the_entropy_of_its_every_step_pass_for_the_guard(tmp_path):
+    """``old_logprobs=decoupled`` at k = 1: π_old is this step's weights, recomputed every
+    step, so ``train/entropy`` is logged every step and the guard's entropy floor (accepted
+    for this run) acts, also on steps without the behaviour pass
+    (``logging.rollout_check_every=0``: no engine gap). Both were dropped with the gap, so
+    the floor never fired."""
+    from gspo.trainer.guard import GuardStop
+
+    trainer = Trainer(_cfg(tmp_path, "dec", "rollout.async_steps=1",
+                           "objective.old_logprobs=decoupled", "objective.correction.name=tis",
+                           "logging.rollout_check_every=0", "guard.on_fault=stop",
+                           "guard.collapse_entropy_floor=1000"),
+                      reward_fns=[char_codes]).setup()
+    try:
+        with pytest.raises(GuardStop, match="entropy"):
+            trainer.train()
+    finally:
+        trainer.cleanup()
+    rows = _rows(trainer)
+    assert len(rows) == 1 and rows[0]["train/entropy"] > 0
+    assert "rollout/logprob_gap_abs_max" not in rows[0]  # no pass on the behaviour weights
+
+
 @pytest.mark.slow
 def test_a_lora_async_run_resumes_bit_for_bit(tmp_path):
     """A k = 1 LoRA run cut after its step-2 checkpoint (adapter, optimizer, the in-flight
