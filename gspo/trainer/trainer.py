@@ -882,9 +882,11 @@ class Trainer:
 
     def step_metrics(self, rewards: torch.Tensor, roll: Rollout, batch: UpdateBatch,
                      old: OldPolicy, result: UpdateResult, timer: PhaseTimer, *,
-                     sampled_tokens: float | None = None) -> dict[str, float]:
+                     sampled_tokens: float | None = None,
+                     extra_s: float = 0.0) -> dict[str, float]:
         """The step's metrics. ``sampled_tokens``: the response tokens of every rollout batch
-        the step drew (dynamic sampling), for the rollout throughput; default ``roll``'s."""
+        the step drew (dynamic sampling), for the rollout throughput; default ``roll``'s;
+        ``extra_s``: the time of dynamic sampling's extra draws."""
         mask = batch.response_mask
         gap = None
         if old.recomputed is not None:  # the trainer's π_old against the engine's log-probs
@@ -901,12 +903,17 @@ class Trainer:
             # each rank's engine sampled its own share: the slowest one's time
             roll.extras.update(max_over_ranks({k: roll.extras[k] for k in ENGINE_TIMES
                                                if k in roll.extras}, self.dist))
+        seconds = timer.seconds
+        if self.async_rollout is not None and "time/rollout_engine_s" in roll.extras:
+            # time/rollout_s is the trainer's wait for a batch sampled while it trained: the
+            # throughput divides by the time the tokens took, the engine's (and extra draws')
+            seconds = {**seconds, "rollout": roll.extras["time/rollout_engine_s"] + extra_s}
         return {
             **roll.extras,
             **{k: float(v) for k, v in group_stats(rewards, roll.group_size).items()},
             **mean_stats(result.stats, stat_kinds(self.objective, self.hooks), result.counts),
             **self.hooks.step_metrics(result.stats, result.counts),
-            **rollout_metrics(roll, padded, old.entropy, gap, timer.seconds,
+            **rollout_metrics(roll, padded, old.entropy, gap, seconds,
                               self.cfg.objective.epochs, self.dist,
                               sampled_tokens=sampled_tokens),
             **old.routing_metrics,
@@ -986,7 +993,8 @@ class Trainer:
         return {**reward_metrics, **sampling,
                 **self.step_metrics(rewards, roll, batch, old, result, timer,
                                     sampled_tokens=sampling.get(
-                                        "dynamic/response_tokens_sampled"))}
+                                        "dynamic/response_tokens_sampled"),
+                                    extra_s=sampling.get("dynamic/extra_s", 0.0))}
 
     def refill(self, examples: list[Any], roll: Rollout, rewards: torch.Tensor,
                timer: PhaseTimer, parts: dict[str, torch.Tensor] | None = None

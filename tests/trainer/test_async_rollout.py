@@ -600,6 +600,17 @@ def test_decoupled_async_logs_the_entropy_of_its_every_step_pass_for_the_guard(t
     assert "rollout/logprob_gap_abs_max" not in rows[0]  # no pass on the behaviour weights
 
 
+def test_async_rollout_throughput_divides_by_the_engines_time(tmp_path):
+    """At k = 1 ``time/rollout_s`` is the trainer's wait for a batch sampled while it
+    trained; ``perf/rollout_tokens_per_s`` divides the batch's tokens by the engine's own
+    sampling time (it divided by the wait, inflating it by orders of magnitude)."""
+    trainer = _trained(_cfg(tmp_path, "tps", "rollout.async_steps=1", "steps=3"))
+    for r in _rows(trainer):
+        tokens = r["rollout/response_len_mean"] * 2 * 4
+        assert r["perf/rollout_tokens_per_s"] * r["time/rollout_engine_s"] == pytest.approx(
+            tokens)
+
+
 @pytest.mark.slow
 def test_a_lora_async_run_resumes_bit_for_bit(tmp_path):
     """A k = 1 LoRA run cut after its step-2 checkpoint (adapter, optimizer, the in-flight
