@@ -106,18 +106,23 @@ class DynamicBatch:
     rewards: Tensor
     metrics: dict[str, float] = field(default_factory=dict)
     parts: dict[str, Tensor] = field(default_factory=dict)
+    stand_ins: list[int] = field(default_factory=list)  # indices of stand-in groups (min_groups)
 
 
 def collect(first: Draw, draw: Callable[[int], Draw], *, prompts_per_step: int,
-            max_extra_batches: int, min_rows: int = 1) -> DynamicBatch:
+            max_extra_batches: int, min_rows: int = 1, min_groups: int = 1) -> DynamicBatch:
     """Groups with reward variance from ``first`` and further draws ``draw(1)``, ``draw(2)``, …
     until ``prompts_per_step`` of them are collected or ``max_extra_batches`` extra draws ran.
 
     The batch holds the first ``prompts_per_step`` groups with signal in draw order. When it
     would hold fewer than ``min_rows`` rows (the update's minibatch count; also when no group
     had signal), it is topped up with zero-signal groups in draw order, which carry zero
-    advantage (``dynamic/groups_filled``). A draw with every group kept returns its own
-    tensors unchanged.
+    advantage (``dynamic/groups_filled``). When it would then hold fewer than ``min_groups``
+    groups (under torchrun every rank needs one), further zero-signal groups join as
+    stand-ins (``DynamicBatch.stand_ins``, their indices in the batch): not a choice one
+    process makes, so the trainer gives them zero loss weight and leaves them out of the
+    reward metrics and ``dynamic/groups_filled``. A draw with every group kept returns its
+    own tensors unchanged.
     """
     g = first.roll.group_size
     draws, signal = [first], [signal_groups(first.rewards, g)]
@@ -130,8 +135,10 @@ def collect(first: Draw, draw: Callable[[int], Draw], *, prompts_per_step: int,
     order = [(i, j) for i, s in enumerate(signal) for j in range(len(s))]
     kept = [(i, j) for i, j in order if signal[i][j]][:prompts_per_step]
     need = max(0, math.ceil(min_rows / g) - len(kept))
-    filled = [(i, j) for i, j in order if not signal[i][j]][:need]
-    chosen = sorted(kept + filled)
+    zero = [(i, j) for i, j in order if not signal[i][j]]
+    filled = zero[:need]
+    extra = zero[need:need + max(0, min_groups - len(kept) - len(filled))]
+    chosen = sorted(kept + filled + extra)
     sampled = torch.cat([d.rewards for d in draws]).double()
     n_sampled = sum(len(s) for s in signal)
     metrics = {
@@ -155,7 +162,7 @@ def collect(first: Draw, draw: Callable[[int], Draw], *, prompts_per_step: int,
     parts = {k: torch.cat([draws[i].parts[k][j * g:(j + 1) * g] for i, j in chosen])
              for k in first.parts}
     return DynamicBatch([draws[i].examples[j] for i, j in chosen], roll, rewards, metrics,
-                        parts)
+                        parts, [chosen.index(x) for x in extra])
 
 
 def mask_truncated(response_mask: Tensor, truncated: list[bool]) -> Tensor:

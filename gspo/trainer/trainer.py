@@ -218,6 +218,8 @@ class Trainer:
         self.saved_step: int | None = None  # the step of the newest checkpoint this run wrote
         self.last_samples: tuple[Any, ...] | None = None  # the last scored batch, for samples
         self.zero_signal = ZeroSignalWatch(cfg.logging.zero_signal_warn_steps)
+        # dynamic sampling under torchrun: the step's rows [N] that are stand-in groups
+        self.stand_ins: torch.Tensor | None = None
         # Set by setup(), in this order (see there).
         self.scorer: RewardScorer | None = None
         self.task: Any
@@ -704,9 +706,18 @@ class Trainer:
         reuse = (self._recompute_old()
                  and can_reuse_first_forward(self.model, self.dist, self.hooks))
         n = len(roll) if rows is None else rows
-        return plan_update(n,
-                           num_minibatches=o.num_minibatches, epochs=o.epochs, generator=gen,
-                           old_from_first=reuse, first_is_old=self._old_is_current())
+        if self.stand_ins is None:
+            return plan_update(n, num_minibatches=o.num_minibatches, epochs=o.epochs,
+                               generator=gen, old_from_first=reuse,
+                               first_is_old=self._old_is_current())
+        # dynamic sampling's stand-in groups (torchrun) join no minibatch: the minibatches
+        # one process draws over the same rows
+        real = (~self.stand_ins).nonzero().squeeze(-1)
+        plan = plan_update(len(real), num_minibatches=o.num_minibatches, epochs=o.epochs,
+                           generator=gen, old_from_first=reuse,
+                           first_is_old=self._old_is_current())
+        return dataclasses.replace(plan, minibatches=[[real[mb] for mb in epoch]
+                                                      for epoch in plan.minibatches])
 
     @torch.no_grad()
     def old_logprobs(self, batch: dict[str, torch.Tensor], rows: torch.Tensor | None = None,
@@ -859,6 +870,10 @@ class Trainer:
         mask = padded["response_mask"]
         if self.cfg.rollout.mask_truncated:  # zero loss weight; advantages are computed already
             mask = mask_truncated(mask, roll.truncated)
+        if self.stand_ins is not None:  # dynamic sampling's stand-in groups: zero loss weight
+            g = roll.group_size
+            first = self.dist.shard(len(self.stand_ins) // g)[0] * g
+            mask = mask_truncated(mask, self.stand_ins[first:first + len(roll)].tolist())
         batch = UpdateBatch(padded["input_ids"], padded["attention_mask"], mask, pi_old, adv,
                             self.reference_logprobs(padded), routing,
                             rollout_logprobs=behaviour)
@@ -969,10 +984,15 @@ class Trainer:
         with timer("reward"):
             rewards, parts = self.score_rows(examples, roll)  # the global batch's
         sampling: dict[str, float] = {}
+        self.stand_ins = None
         if self.cfg.rollout.dynamic_sampling:  # DAPO: drop zero-variance groups, draw more
             examples, roll, rewards, sampling, parts = self.refill(examples, roll, rewards,
                                                                    timer, parts)
-        reward_metrics = reward_part_metrics(parts)  # over the groups trained on, as reward/mean
+        # over the groups trained on, as reward/mean (torchrun: not dynamic sampling's
+        # stand-ins, see refill)
+        counted = torch.ones(len(rewards), dtype=torch.bool) if self.stand_ins is None \
+            else ~self.stand_ins
+        reward_metrics = reward_part_metrics({k: v[counted] for k, v in parts.items()})
         with timer("reward"):
             adv = self.advantages(rewards, roll)
         with timer("old_logprobs"):
@@ -991,7 +1011,7 @@ class Trainer:
             with timer("weight_sync"):
                 self.sync()
         return {**reward_metrics, **sampling,
-                **self.step_metrics(rewards, roll, batch, old, result, timer,
+                **self.step_metrics(rewards[counted], roll, batch, old, result, timer,
                                     sampled_tokens=sampling.get(
                                         "dynamic/response_tokens_sampled"),
                                     extra_s=sampling.get("dynamic/extra_s", 0.0))}
@@ -1012,10 +1032,16 @@ class Trainer:
 
         cfg = self.cfg.rollout
         first = self._global_draw(examples, roll, rewards, parts or {})
-        # every rank needs at least one group (under torchrun), every minibatch one row
-        min_rows = max(self.cfg.objective.num_minibatches, self.dist.world_size * roll.group_size)
+        # every minibatch needs one row; under torchrun every rank one group: those only it
+        # needs are stand-ins (zero loss weight, out of the metrics), as one process has none
+        min_rows = max(self.cfg.objective.num_minibatches, roll.group_size)
         got = collect(first, draw, prompts_per_step=cfg.prompts_per_step,
-                      max_extra_batches=cfg.dynamic_max_extra_batches, min_rows=min_rows)
+                      max_extra_batches=cfg.dynamic_max_extra_batches, min_rows=min_rows,
+                      min_groups=self.dist.world_size)
+        if got.stand_ins:
+            self.stand_ins = torch.zeros(len(got.rewards), dtype=torch.bool)
+            for j in got.stand_ins:
+                self.stand_ins[j * roll.group_size:(j + 1) * roll.group_size] = True
         if got.roll is first.roll:  # the first draw, every group kept: the rows as they were
             self._sample_rows(first.examples, first.roll, first.rewards, got.parts)
             return examples, roll, rewards, got.metrics, got.parts

@@ -441,3 +441,60 @@ def test_reward_errors_under_torchrun_are_logged_once_naming_the_rank(tmp_path):
     assert log.count("ValueError: boom") == 1 and log.count("KeyError: 'rank one'") == 1
     assert proc.stdout.count("reward function 'broken' failed at step 1 on rank 0") == 1
     assert proc.stdout.count("reward function 'rank_one' failed at step 1 on rank 1") == 1
+
+
+RARE_SIGNAL = textwrap.dedent("""
+    import gc, sys, torch
+    from gspo.config import load_config
+    from gspo.trainer import Trainer
+    from gspo.trainer.distributed import full_model_state, shutdown
+
+    def rare_signal(prompts, completions, **_):  # about one prompt in three has signal
+        return [float(len(c) % 3) if sum(map(ord, p)) % 3 == 0 else 0.0
+                for p, c in zip(prompts, completions)]
+
+    out, name = sys.argv[1], sys.argv[2]
+    cfg = load_config(None, ["model=tiny:llama", f"output_dir={out}", f"run_name={name}",
+        "progress=false", "tensorboard=false", "rollout.max_new_tokens=6",
+        "rollout.prompts_per_step=3", "rollout.group_size=4", "task.eval_size=0",
+        "optim.lr=1e-3", "objective.num_minibatches=2", "rollout.dynamic_sampling=true",
+        "rollout.dynamic_max_extra_batches=0"])
+    trainer = Trainer(cfg, reward_fns=[rare_signal]).setup()
+    metrics = []
+    for _ in range(3):
+        metrics.append(trainer.train_step())
+        trainer.step += 1
+    state = full_model_state(trainer.model, trainer.dist) or trainer.model.state_dict()
+    if trainer.dist.is_main:
+        torch.save({"state": state, "metrics": metrics}, f"{out}/{name}.pt")
+    del trainer, state
+    gc.collect()
+    shutdown()
+""")
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_with_fewer_signal_groups_than_ranks_matches_one_process(tmp_path):
+    """Past the cap with one group of signal on 2 ranks, rank 1 needs a group of its own: a
+    zero-signal stand-in, which one process does not train on. It joins no minibatch and no
+    reward metric, so the run keeps the one-process weights, loss and metrics (before, it
+    diluted the loss: train/loss 4.8e-4 against 4.1e-3, reward/mean 0.25 against 0.5)."""
+    script = tmp_path / "rare.py"
+    script.write_text(RARE_SIGNAL)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = run_session(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD),
+         "--standalone", str(script), str(tmp_path), "two"], env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    single_env = {k: v for k, v in env.items() if k not in ("WORLD_SIZE", "RANK")}
+    proc = run_session([sys.executable, str(script), str(tmp_path), "one"], env=single_env,
+                       timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got, want = torch.load(tmp_path / "two.pt"), torch.load(tmp_path / "one.pt")
+    assert [m["dynamic/groups_kept"] for m in want["metrics"]] == [0, 1, 0]  # fewer than ranks
+    err = max(float((got["state"][k] - want["state"][k]).abs().max()) for k in want["state"])
+    assert err < 1e-5, err
+    for a, b in zip(got["metrics"], want["metrics"]):
+        for key in ("train/loss", "reward/mean", "reward/frac_groups_zero_std",
+                    "dynamic/groups_filled", "objective/clip_frac_tokens", "train/grad_norm"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key

@@ -346,3 +346,17 @@ def test_the_samples_file_holds_the_groups_trained_on(tmp_path):
         assert per_fn["first_char_is_digit"] == rewards
         assert "reward/first_char_is_digit" not in m  # one function: reward/mean says it
     assert extra > 0  # the case in question ran
+
+
+def test_collect_tops_up_to_min_groups_with_stand_ins_it_does_not_count_as_filled():
+    """Under torchrun every rank needs a group: past the cap with fewer groups than ranks, the
+    zero-signal groups that join only for that are stand-ins (listed, not counted in
+    ``dynamic/groups_filled``), so the trainer can keep them out of the update."""
+    first = _draw([1, 1, 0, 1, 0, 0], 0)
+    got = collect(first, lambda d: _draw([0, 0, 1, 1, 1, 1], d), prompts_per_step=3,
+                  max_extra_batches=1, min_groups=3)
+    assert got.examples == ["00", "01", "02"] and got.stand_ins == [0, 2]
+    assert got.metrics["dynamic/groups_filled"] == 0.0
+    got = collect(first, lambda d: _draw([0, 0, 1, 1, 1, 1], d), prompts_per_step=3,
+                  max_extra_batches=1, min_rows=4, min_groups=2)  # the filled group suffices
+    assert got.examples == ["00", "01"] and got.stand_ins == []
