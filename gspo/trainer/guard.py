@@ -50,9 +50,13 @@ class Guard:
             self.consecutive = 0
         # the window moves every step; with dynamic sampling reward/mean is over the groups
         # kept (with reward variance, so near the middle of the range whatever the policy
-        # does): the mean over every sampled response is what collapses
-        drop = self._reward_drop(metrics.get("dynamic/sampled_reward_mean",
-                                             metrics.get("reward/mean")))
+        # does): the mean over every sampled response is what collapses. A step where no
+        # response could be scored (a reward outage) has no reward mean (reward/mean is 0
+        # then): the window skips it, as it skips dynamic sampling's NaN mean.
+        reward = metrics.get("dynamic/sampled_reward_mean")
+        if reward is None and metrics.get("reward/unscorable_frac", 0.0) < 1.0:
+            reward = metrics.get("reward/mean")
+        drop = self._reward_drop(reward)
         if cfg.max_consecutive_faults and self.consecutive >= cfg.max_consecutive_faults:
             return (f"{self.consecutive} consecutive steps with updates skipped for non-finite "
                     "loss, gradient or log-probs")
@@ -122,10 +126,14 @@ def roll_back(ckpt: Path, model: Any, optimizer: Any, scheduler: Any, *,
     prompts and samples instead of replaying the ones that led to the fault. ``dist``: the
     run's processes (under FSDP2 the full checkpoint is loaded into each rank's shards, as on
     resume). Returns the checkpoint's step: the model holds the weights of that many updates
-    again."""
+    again. The optimizer's hyperparameters stay the run's: a checkpoint written before a
+    resume that changed ``optim.*`` holds the earlier run's betas, weight decay and base lr."""
     optim_state, state = load_checkpoint_state(ckpt)
     load_weights(model, ckpt, full_state_loader(dist))
+    hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     load_optimizer_state(model, optimizer, optim_state["optimizer"], dist)
+    for group, kept in zip(optimizer.param_groups, hyper):
+        group.update(kept)  # the moments are the checkpoint's, the settings this run's
     # LambdaLR recomputes the lr from base_lrs at every step: scale those (they are saved in
     # the scheduler's state, so a resumed run keeps the lower lr).
     scheduler.base_lrs = [lr * lr_factor for lr in scheduler.base_lrs]

@@ -107,6 +107,17 @@ def test_with_dynamic_sampling_the_reward_drop_reads_every_sampled_response():
     assert verdicts[:3] == [None] * 3 and "fell 0.8 below its best (0.9)" in verdicts[3]
 
 
+def test_a_step_with_nothing_scored_is_not_a_reward_drop():
+    """A reward outage (reward.max_unscorable_frac=1 lets the run go on) leaves no reward mean:
+    reward/mean is 0 then, which the reward-drop window read as a collapse and rolled back
+    healthy weights for; dynamic sampling's mean is NaN then, and skipped."""
+    g = _guard(collapse_reward_drop=0.5, collapse_window=1)
+    assert g.observe({"reward/mean": 1.0, "reward/unscorable_frac": 0.0}) is None
+    assert g.observe({"reward/mean": 0.0, "reward/unscorable_frac": 1.0}) is None
+    assert list(g.recent_rewards) == [1.0]
+    assert "fell 0.8 below" in g.observe({"reward/mean": 0.2, "reward/unscorable_frac": 0.5})
+
+
 def test_only_checkpoints_written_while_healthy_are_good():
     g = _guard(collapse_entropy_floor=1.0, max_consecutive_faults=3)
     g.observe({"train/entropy": 2.0})
@@ -264,6 +275,30 @@ def test_a_rollback_restores_the_weights_the_checkpoint_was_written_from(tmp_pat
     assert saved[1].keys() == after[1].keys()
     assert all(torch.equal(after[1][k], saved[1][k]) for k in saved[1])
     assert any(not torch.equal(saved[1][k], before[2][k]) for k in saved[1])  # step 2 moved
+
+
+def test_a_rollback_keeps_the_optim_values_of_a_resumed_run(tmp_path, monkeypatch):
+    """`gspo train resume=RUN optim.lr=...` applies the new optim values; a rollback to a
+    checkpoint the first run wrote loads its moments, not its betas, weight decay and base lr
+    (they came back with the checkpoint's optimizer state, and a later resume scaled the lr by
+    the first run's base lr: 1e-3 became 1e-3 x 1e-3 / 3e-3)."""
+    first = _trainer(tmp_path, "o", "steps=1", "save_every=1")
+    first.train()
+    first.cleanup()
+    new = ["optim.lr=1e-3", "optim.weight_decay=0.1", "optim.betas=[0.5,0.9]", "save_every=1",
+           f"resume={first.run_dir}"]
+    resumed = _trainer(tmp_path, "x", "steps=2", *new)
+    rollback_at(monkeypatch, resumed, step=2)  # back to step_000001, written by the first run
+    resumed.train()
+    assert resumed.reliability.restored_step == 1
+    group = resumed.optimizer.param_groups[0]
+    assert (group["lr"], group["betas"], group["weight_decay"]) == (1e-3, (0.5, 0.9), 0.1)
+    assert group["initial_lr"] == 1e-3
+    resumed.cleanup()
+    again = _trainer(tmp_path, "x", "steps=3", *new)
+    group = again.optimizer.param_groups[0]
+    assert (group["lr"], group["betas"], group["weight_decay"]) == (1e-3, (0.5, 0.9), 0.1)
+    assert again.scheduler.base_lrs == [1e-3]
 
 
 @pytest.mark.parametrize("extra, why", [
