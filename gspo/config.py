@@ -800,14 +800,6 @@ def validate(cfg: TrainConfig) -> None:
     _check(cfg.logging.samples_every >= 0, "logging.samples_every must be >= 0")
     _check(cfg.logging.drift_every >= 0, "logging.drift_every must be >= 0")
     _check(cfg.logging.rollout_check_every >= 0, "logging.rollout_check_every must be >= 0")
-    # what the trainer refuses at setup, decided here from the config alone where it can be
-    # (the hf/llamacpp engines never run the async pipeline without rollout.async_steps)
-    every, o = cfg.logging.rollout_check_every, cfg.objective.old_logprobs
-    _check(every == LoggingConfig.rollout_check_every or r.async_steps > 0
-           or r.engine == "vllm" or o not in ("recompute", "decoupled"),
-           f"logging.rollout_check_every={every}: this run recomputes π_old on every step "
-           f"(objective.old_logprobs={o}), so it is unused; it applies to "
-           "objective.old_logprobs=rollout and to rollout.async_steps > 0")
     _check(0 <= cfg.reward.overlong_buffer <= r.max_new_tokens,
            "reward.overlong_buffer must be in [0, rollout.max_new_tokens]")
     _check(not cfg.reward.weights or len(cfg.reward.weights) == len(cfg.reward.functions),

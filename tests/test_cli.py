@@ -301,15 +301,6 @@ def test_validate_errors(capsys, tmp_path):
     assert "group_size" in msg
 
 
-def test_validate_refuses_a_rollout_check_the_synchronous_loop_would_not_read(capsys, tmp_path):
-    """What the trainer refuses at setup and the config alone decides, validate refuses too
-    (it said "ok" to a config that train then refused)."""
-    msg = fail(capsys, tmp_path, "tiny_cpu", "logging.rollout_check_every=2", cmd="validate")
-    assert "logging.rollout_check_every=2: this run recomputes" in msg
-    assert main(["validate", "tiny_cpu", "logging.rollout_check_every=2",
-                 "objective.old_logprobs=rollout"]) == 0
-
-
 def test_eval_missing_model_folder(capsys, tmp_path):
     code = main(["eval", "--model", str(tmp_path / "nope"), "task.eval_size=2"])
     _, err = capsys.readouterr()
