@@ -231,26 +231,37 @@ TRAIN_STEP = textwrap.dedent("""
 JOBS = [("ddp", "tiny:llama"), ("fsdp2", "tiny:qwen3_moe")]
 
 
+def _torchrun_script(tmp_path, name: str, text: str, *args: str):
+    """Write ``text`` to ``tmp_path/name`` and run it on WORLD ranks (torchrun, gloo), with
+    ``tmp_path`` and ``args`` as its arguments; the finished process (exit code 0 asserted)."""
+    script = tmp_path / name
+    script.write_text(text)
+    proc = run_session(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD),
+         "--standalone", str(script), str(tmp_path), *args],
+        env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def _one_process_script(tmp_path, name: str, *args: str):
+    """Run the script ``_torchrun_script`` wrote as ``tmp_path/name`` in one plain process."""
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
+    proc = run_session([sys.executable, str(tmp_path / name), str(tmp_path), *args],
+                       env={**env, "PYTHONPATH": str(REPO)}, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
 @pytest.mark.slow
 def test_a_train_step_under_torchrun_matches_one_process(tmp_path):
     """The whole step (shared prompts, per-prompt sampling, gathered rewards with batch-scaled
     advantages, sharded rows, global minibatches, reduced metrics) on 2 ranks vs 1: DDP on
     the dense model, FSDP2 on the MoE model. Exit code 0, no abort at exit."""
-    script = tmp_path / "step.py"
-    script.write_text(TRAIN_STEP)
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    multi = [f"{s}:{s}:{m}" for s, m in JOBS]
-    proc = run_session(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD),
-         "--standalone", str(script), str(tmp_path), *multi],
-        env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = _torchrun_script(tmp_path, "step.py", TRAIN_STEP,
+                            *[f"{s}:{s}:{m}" for s, m in JOBS])
     assert "terminate called" not in proc.stderr
-    single_env = {k: v for k, v in env.items() if k not in ("WORLD_SIZE", "RANK")}
-    single = [f"single-{s}:{s}:{m}" for s, m in JOBS]
-    proc = run_session([sys.executable, str(script), str(tmp_path), *single],
-                       env=single_env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    _one_process_script(tmp_path, "step.py", *[f"single-{s}:{s}:{m}" for s, m in JOBS])
     for strategy, model in JOBS:
         got = torch.load(tmp_path / f"{strategy}.pt")
         want = torch.load(tmp_path / f"single-{strategy}.pt")
@@ -382,13 +393,7 @@ FAILING_REWARD = textwrap.dedent("""
 def test_reward_failures_under_torchrun_count_every_ranks_rows(tmp_path):
     """Each rank scores its own rows; the logged ``reward/failures/*`` of a step is the sum
     over ranks (rank 0 logs it), as in one process: 8 unscorable responses, not rank 0's 4."""
-    script = tmp_path / "fail.py"
-    script.write_text(FAILING_REWARD)
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = run_session(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD),
-         "--standalone", str(script), str(tmp_path)], env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    _torchrun_script(tmp_path, "fail.py", FAILING_REWARD)
     rows = [json.loads(x) for x in open(tmp_path / "r" / "metrics.jsonl")]
     assert rows[-1]["reward/failures/broken"] == 8
 
@@ -426,13 +431,7 @@ def test_reward_errors_under_torchrun_are_logged_once_naming_the_rank(tmp_path):
     """Each rank scores its own rows and keeps its own first errors: the run's
     reward_errors.log holds each function's first error once (the lowest rank's, naming it),
     printed once, not once per rank; also when the step raises RewardError on every rank."""
-    script = tmp_path / "errors.py"
-    script.write_text(REWARD_ERRORS)
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = run_session(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD),
-         "--standalone", str(script), str(tmp_path)], env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = _torchrun_script(tmp_path, "errors.py", REWARD_ERRORS)
     assert proc.stdout.count("stopped: RewardError") == WORLD
     log = (tmp_path / "r" / "reward_errors.log").read_text()
     headers = [line for line in log.splitlines() if line.startswith("== ")]
@@ -479,17 +478,8 @@ def test_dynamic_sampling_with_fewer_signal_groups_than_ranks_matches_one_proces
     zero-signal stand-in, which one process does not train on. It joins no minibatch and no
     reward metric, so the run keeps the one-process weights, loss and metrics (before, it
     diluted the loss: train/loss 4.8e-4 against 4.1e-3, reward/mean 0.25 against 0.5)."""
-    script = tmp_path / "rare.py"
-    script.write_text(RARE_SIGNAL)
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = run_session(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD),
-         "--standalone", str(script), str(tmp_path), "two"], env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    single_env = {k: v for k, v in env.items() if k not in ("WORLD_SIZE", "RANK")}
-    proc = run_session([sys.executable, str(script), str(tmp_path), "one"], env=single_env,
-                       timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    _torchrun_script(tmp_path, "rare.py", RARE_SIGNAL, "two")
+    _one_process_script(tmp_path, "rare.py", "one")
     got, want = torch.load(tmp_path / "two.pt"), torch.load(tmp_path / "one.pt")
     assert [m["dynamic/groups_kept"] for m in want["metrics"]] == [0, 1, 0]  # fewer than ranks
     err = max(float((got["state"][k] - want["state"][k]).abs().max()) for k in want["state"])
