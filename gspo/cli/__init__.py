@@ -100,11 +100,12 @@ def _check_resume_folder(cfg: TrainConfig, overrides: list[str], *, runs_own: bo
 
 def cmd_train(args: list[str]) -> int:
     path, overrides = _split_args(args)
-    runs_own = path is None
+    runs_own = False  # whether the config is RUN/config.yaml
     if path is None:  # `gspo train resume=RUN [key=value ...]`: the run's own config
         path = _resumed_run_config(overrides)
+        runs_own = path is not None
     cfg = load_config(path, overrides)
-    _check_resume_folder(cfg, overrides, runs_own=runs_own and path is not None)
+    _check_resume_folder(cfg, overrides, runs_own=runs_own)
     from gspo.trainer import Trainer
 
     start = time.time()

@@ -52,6 +52,7 @@ import sys
 import threading
 import time
 import urllib.parse
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -149,21 +150,31 @@ def _store(address: str, rank: int, timeout: datetime.timedelta, deadline: float
     return store
 
 
+def _wait_until(ready: Callable[[], bool], deadline: float, why: str) -> None:
+    """Call ``ready`` every :data:`POLL_S` until it is true, in Python (a Ctrl-C stops the
+    wait, which the store's and gloo's own waits in C++ would not see); :class:`_Alone`
+    with ``why`` past ``deadline``."""
+    while not ready():
+        if time.monotonic() >= deadline:
+            raise _Alone(why)
+        time.sleep(min(POLL_S, max(deadline - time.monotonic(), 0)))
+
+
 def _await_listener(host: str, port: int, deadline: float) -> None:
     """Wait until the trainer listens at ``host:port`` (connections refused or timing out
     until then); :class:`_Alone` past ``deadline``. A host name that does not resolve fails
     at once (``socket.gaierror``)."""
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise _Alone("Connection refused")
+    def listening() -> bool:
         try:
-            with socket.create_connection((host, port), timeout=min(left, 5.0)):
-                return
+            with socket.create_connection(
+                    (host, port), timeout=min(max(deadline - time.monotonic(), 0.01), 5.0)):
+                return True
         except socket.gaierror:
             raise
         except OSError:
-            time.sleep(min(POLL_S, max(deadline - time.monotonic(), 0)))
+            return False
+
+    _wait_until(listening, deadline, "Connection refused")
 
 
 def _stale(path: str) -> bool:
@@ -189,24 +200,17 @@ def _clear_stale(path: str, rank: int, deadline: float) -> None:
             print(f"gspo: removed {path}, the store file of an earlier trainer and engine "
                   "that are gone", file=sys.stderr, flush=True)
         return
-    while _stale(path):
-        if time.monotonic() >= deadline:
-            raise _Alone(f"{path} is an earlier pair's store file; a trainer that starts "
-                         "there removes it")
-        time.sleep(POLL_S)
+    _wait_until(lambda: not _stale(path), deadline,
+                f"{path} is an earlier pair's store file; a trainer that starts there removes it")
 
 
 def _meet(store: Any, rank: int, deadline: float) -> None:
-    """Leave this end's key in the store and wait for the other's, in Python (a Ctrl-C stops
-    the wait; the store's own waits run in C++ and would not see it); :class:`_Alone` past
-    ``deadline``. An end that gives up takes its key back."""
+    """Leave this end's key in the store and wait for the other's (:func:`_wait_until`).
+    An end that gives up takes its key back."""
     mine = f"{JOINED}{rank}"
     store.set(mine, "1")
     try:
-        while not store.check([f"{JOINED}{1 - rank}"]):
-            if time.monotonic() >= deadline:
-                raise _Alone("no one came")
-            time.sleep(POLL_S)
+        _wait_until(lambda: store.check([f"{JOINED}{1 - rank}"]), deadline, "no one came")
     except BaseException:
         with contextlib.suppress(Exception):
             store.delete_key(mine)

@@ -333,6 +333,13 @@ def optimizer_state(model: Any, optimizer: Any, d: Dist) -> dict[str, Any]:
         full_state_dict=True, cpu_offload=True))
 
 
+def group_settings(optimizer: Any) -> list[dict[str, Any]]:
+    """Each parameter group's settings (lr, betas, weight decay, …; not its parameters): what
+    :func:`load_optimizer_state` overwrites with the saved run's, for a caller that keeps
+    this run's (a resume with changed ``optim.*``, a guard rollback)."""
+    return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+
+
 def load_optimizer_state(model: Any, optimizer: Any, state: dict[str, Any], d: Dist) -> None:
     """Inverse of :func:`optimizer_state`, across strategies and world sizes: a state keyed by
     parameter index (one process, DDP) or by parameter name (FSDP2) loads into any run."""

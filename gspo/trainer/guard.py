@@ -14,7 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from gspo.trainer.checkpoint import latest_checkpoint, load_checkpoint_state, load_weights
-from gspo.trainer.distributed import Dist, full_state_loader, load_optimizer_state
+from gspo.trainer.distributed import (
+    Dist,
+    full_state_loader,
+    group_settings,
+    load_optimizer_state,
+)
 
 
 class GuardStop(RuntimeError):
@@ -130,7 +135,7 @@ def roll_back(ckpt: Path, model: Any, optimizer: Any, scheduler: Any, *,
     resume that changed ``optim.*`` holds the earlier run's betas, weight decay and base lr."""
     optim_state, state = load_checkpoint_state(ckpt)
     load_weights(model, ckpt, full_state_loader(dist))
-    hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    hyper = group_settings(optimizer)
     load_optimizer_state(model, optimizer, optim_state["optimizer"], dist)
     for group, kept in zip(optimizer.param_groups, hyper):
         group.update(kept)  # the moments are the checkpoint's, the settings this run's

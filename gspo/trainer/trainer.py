@@ -516,8 +516,7 @@ class Trainer:
                 f"resume: the checkpoint's data position does not fit task.name="
                 f"{self.cfg.task.name} ({type(e).__name__}: {e}); resume with the run's own "
                 f"config: gspo train resume={self.cfg.resume}") from None
-        configured = [{k: v for k, v in g.items() if k != "params"}
-                      for g in self.optimizer.param_groups]
+        configured = distributed.group_settings(self.optimizer)
         saved_groups = len(optim_state["optimizer"].get("param_groups", configured))
         if saved_groups != len(configured):  # moe.router_lr_scale 1 in one run, not the other
             raise ConfigError(
