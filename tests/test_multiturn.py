@@ -127,6 +127,59 @@ def test_observation_format_follows_the_chat_template():
     assert tok.decode(plain.tokens("out", None)) == "\nout\n"
 
 
+LLAMA2_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}"
+    "[INST] {{ m['content'] }} [/INST]{% else %} {{ m['content'] }} {{ eos_token }}"
+    "{% endif %}{% endfor %}")
+
+
+def _sentencepiece_tokenizer(kind):
+    """A character-level SentencePiece-style tokenizer built offline: spaces become "▁" and
+    a "▁" opens the text, by a ``Prepend`` normaliser (Llama 2's legacy tokenizer.json) or a
+    ``Metaspace`` pre-tokenizer (prepend_scheme="first"); other bytes fall back to <0xNN>."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<s>", "</s>"]
+    chars = ["\u2581", *"abcdefghijklmnopqrstuvwxyz[]/INST0123456789"]
+    vocab = {t: i for i, t in enumerate(
+        specials + [f"<0x{b:02X}>" for b in range(256)] + list(dict.fromkeys(chars)))}
+    tok = Tokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    tok.add_special_tokens(specials)
+    if kind == "prepend":
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"),
+                                               normalizers.Replace(" ", "\u2581")])
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first", split=False)
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                     decoders.Fuse()])
+    out = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                  unk_token="<unk>", pad_token="<unk>")
+    out.chat_template = LLAMA2_TEMPLATE
+    return out
+
+
+@pytest.mark.parametrize("kind", ["prepend", "metaspace"])
+def test_observation_ids_are_the_transcripts_own_with_sentencepiece_tokenizers(kind):
+    """An observation is tokenised as the text continuing the turn: no "▁" the whole
+    transcript's tokenisation lacks, and after a turn ended with EOS the template's " </s>"
+    adds neither a space token nor a second EOS (Llama 2's template)."""
+    tok = _sentencepiece_tokenizer(kind)
+
+    def ids(s):
+        return tok(s, add_special_tokens=False)["input_ids"]
+
+    plain = ObservationFormat(tok, chat_template=False)
+    turn = ids("the answer is 42")
+    assert turn + plain.tokens("out 7", turn[-1]) == ids("the answer is 42\nout 7\n")
+    fmt = ObservationFormat(tok, chat_template=True)
+    msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "no"},
+            {"role": "user", "content": "out 7"}]
+    full = ids(tok.apply_chat_template(msgs, tokenize=False))
+    after_eos = full[full.index(tok.eos_token_id) + 1:]  # the rendering after the turn's EOS
+    assert fmt.tokens("out 7", tok.eos_token_id) == after_eos
+
+
 def test_python_tool_runs_the_last_block_and_a_plain_turn_ends_the_episode():
     env = PythonTool()
     env.reset("q")
@@ -384,3 +437,51 @@ def test_openenv_adapter_seeds_every_row_of_a_group_alike():
     plain = NoSeed()
     OpenEnvAdapter(plain, action=str, observe=str).reset("q")
     assert plain.episode_id == "1"
+
+
+def test_the_initial_observation_reset_returns_is_shown_on_the_first_turn():
+    """An OpenEnv environment's ``reset`` observation (here a board that depends on the seed)
+    reaches the first turn, after the dataset prompt in the user message, for every row of the
+    group; an empty one leaves the prompt as it was; rows of a group that start from different
+    states are refused rather than sampled from one prompt."""
+    from types import SimpleNamespace
+
+    from gspo.rollout.openenv_adapter import OpenEnvAdapter, prompt_seed
+
+    class Board:
+        def __init__(self, text=None):
+            self.text = text
+
+        def reset(self, seed=None, episode_id=None):
+            board = f"board {seed % 97}" if self.text is None else self.text
+            return SimpleNamespace(text=board, done=False)
+
+        def step(self, action):
+            return SimpleNamespace(text="", done=True)
+
+    _, tok = build_tiny("llama")
+    contexts = []
+
+    def sample(ctx, group_size, seeds):
+        contexts.append(ctx)
+        n = len(ctx) * group_size
+        return Rollout([c for c in ctx for _ in range(group_size)], [[5, 1]] * n,
+                       [torch.zeros(2)] * n, [False] * n, group_size)
+
+    def run(make_board):
+        loop = TurnLoop(lambda: OpenEnvAdapter(make_board(), action=str,
+                                               observe=lambda o: o.text),
+                        tok, max_turns=2, chat_template=True, system_prompt="Be brief.")
+        exs = [SimpleNamespace(prompt=q, answer="", columns={}) for q in ("Play.", "Go.")]
+        prompts = [format_prompt(tok, ex.prompt, system_prompt="Be brief.") for ex in exs]
+        return loop.run(sample, exs, prompts, [0, 1], 2), prompts
+
+    roll, _ = run(Board)
+    want = [format_prompt(tok, f"{q}\n\nboard {prompt_seed(q) % 97}", system_prompt="Be brief.")
+            for q in ("Play.", "Go.")]
+    assert contexts[0] == want and roll.prompt_ids == [want[0]] * 2 + [want[1]] * 2
+    roll, prompts = run(lambda: Board(""))
+    assert contexts[-1] == prompts
+    boards = iter(range(100))
+    with pytest.raises(ValueError, match="different initial observations"):
+        run(lambda: Board(f"board {next(boards)}"))

@@ -47,9 +47,11 @@ class Step:
 class Env(Protocol):
     """One episode per instance: ``reset`` once with the row's prompt and dataset columns
     (``answer`` and every other column, as reward functions get them), then ``step`` on each
-    policy turn (its decoded text, special tokens dropped)."""
+    policy turn (its decoded text, special tokens dropped). ``reset`` may return an initial
+    observation (text, the same for every row of a prompt): the first turn sees it after the
+    prompt, in the same user message (:class:`gspo.rollout.multiturn.TurnLoop`)."""
 
-    def reset(self, prompt: str, **columns: Any) -> None: ...
+    def reset(self, prompt: str, **columns: Any) -> str | None: ...
 
     def step(self, response: str) -> Step: ...
 

@@ -13,7 +13,9 @@
   llama-cpp-python's ``logprobs`` output would not do: it is log_softmax of the raw logits
   (temperature 1), not of the distribution sampled from (benchmarks/bench_engines.py checks).
 * Each prompt is prefilled once; its G samples reuse the prompt's KV cache (the context is
-  rewound to the prompt's end between samples). Decoding runs one sequence at a time:
+  rewound to the prompt's end between samples). The context starts at ``N_CTX`` tokens and
+  is reloaded larger (:func:`context_size`) when a prompt + ``max_new_tokens`` (a multi-turn
+  context, in later turns) needs more. Decoding runs one sequence at a time:
   llama-cpp-python's high-level ``Llama`` has no batched multi-sequence decode.
 * Llama-architecture policies only (``LlamaForCausalLM``: SmolLM2, tiny:llama; RoPE plain,
   linear or Llama 3.x's ``llama3``, whose factors go in the ``rope_freqs`` tensor); tokens go
@@ -41,7 +43,7 @@ from gspo.rollout.engine import ENGINES, EngineCapabilities, EngineOptions
 from gspo.rollout.sampler import SamplingParams, _next_tokens, _uniforms
 
 PRECISION = "q8_0"
-N_CTX = 2048  # tokens of context (prompt + response) the engine reserves KV cache for
+N_CTX = 2048  # tokens of context (prompt + response) the engine first reserves KV cache for
 NO_ROUTING = "llama.cpp does not report the experts it routed to (and the engine is dense-only)"
 
 
@@ -173,6 +175,16 @@ def export_gguf(model: Any, tokenizer: Any, path: str | Path) -> Path:
     return Path(path)
 
 
+def context_size(current: int, needed: int, model_max: int | None) -> int:
+    """Tokens of context for a request of ``needed`` (prompt + ``max_new_tokens``): ``current``
+    if enough, else twice as many (not past ``model_max``, the model's
+    ``max_position_embeddings``, where known) or ``needed`` if that is more."""
+    if needed <= current:
+        return current
+    grown = 2 * current if model_max is None else min(2 * current, max(model_max, current))
+    return max(needed, grown)
+
+
 @ENGINES.register("llamacpp")
 class LlamaCppEngine:
     """One ``llama_cpp.Llama`` on a Q8_0 GGUF export of the policy."""
@@ -181,6 +193,7 @@ class LlamaCppEngine:
                  n_ctx: int = N_CTX, n_threads: int | None = None) -> None:
         self.llama_cpp = _import_llama_cpp()
         self.tokenizer, self.opts, self.n_ctx = tokenizer, opts, n_ctx
+        self.model_max = getattr(model.config, "max_position_embeddings", None)
         self.n_threads = n_threads or torch.get_num_threads()
         self.eos = set(eos_ids(model, tokenizer))
         self.capabilities = self.declared_capabilities(opts)
@@ -200,9 +213,14 @@ class LlamaCppEngine:
 
     def sync_weights(self, policy: Any) -> None:
         """Re-export ``policy`` to Q8_0 GGUF and reload llama.cpp on it."""
-        path = export_gguf(policy, self.tokenizer, self._dir / "policy.gguf")
+        export_gguf(policy, self.tokenizer, self._dir / "policy.gguf")
+        self._load()
+
+    def _load(self) -> None:
+        """(Re)load llama.cpp on the exported GGUF with a context of ``self.n_ctx`` tokens."""
         self.llm = None  # free the old context before loading the new one
-        self.llm = self.llama_cpp.Llama(model_path=str(path), n_ctx=self.n_ctx,
+        self.llm = self.llama_cpp.Llama(model_path=str(self._dir / "policy.gguf"),
+                                        n_ctx=self.n_ctx,
                                         n_batch=min(512, self.n_ctx), n_threads=self.n_threads,
                                         seed=self.opts.seed, verbose=False)
         self.n_vocab = self.llm.n_vocab()
@@ -219,9 +237,10 @@ class LlamaCppEngine:
     def generate(self, prompts: list[list[int]], *, group_size: int, params: SamplingParams,
                  seeds: list[int], greedy: bool = False) -> Rollout:
         steps = params.max_new_tokens
-        if max(len(p) for p in prompts) + steps > self.n_ctx:
-            raise ValueError(f"rollout.engine=llamacpp: prompt + max_new_tokens exceeds the "
-                             f"engine's context of {self.n_ctx} tokens")
+        n_ctx = context_size(self.n_ctx, max(len(p) for p in prompts) + steps, self.model_max)
+        if n_ctx != self.n_ctx:  # a longer prompt + max_new_tokens than so far: reload larger
+            self.n_ctx = n_ctx
+            self._load()
         gens = [torch.Generator().manual_seed(s) for s in seeds]
         u = _uniforms(len(prompts) * group_size, group_size, steps, gens)
         prompt_ids, response_ids, logprobs, truncated = [], [], [], []

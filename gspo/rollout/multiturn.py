@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from gspo.config import ConfigError, RolloutConfig, TaskConfig
+from gspo.data.prompts import format_prompt
 from gspo.rollout.batch import Rollout
 from gspo.rollout.envs import Env, resolve_env
 from gspo.rollout.sampler import SamplingParams, generate
@@ -31,6 +32,7 @@ from gspo.rollout.sampler import SamplingParams, generate
 SampleFn = Callable[[list[list[int]], int, list[int]], Rollout]
 
 _MARK_A, _MARK_O = "\u2063A7\u2063", "\u2063O7\u2063"  # placeholders found in the rendering
+_ANCHOR = "a"  # text an observation is tokenised behind (ObservationFormat._continuing)
 
 
 class ObservationFormat:
@@ -53,21 +55,49 @@ class ObservationFormat:
 
     def tokens(self, observation: str, last_token: int | None) -> list[int]:
         """The observation turn's ids after a policy turn that ended with ``last_token``; the
-        template's end-of-turn token is left out when the policy already sampled it."""
-        ids = self.tokenizer(self.before + observation + self.after,
-                             add_special_tokens=False)["input_ids"]
+        template's end-of-turn token is left out when the policy already sampled it, with any
+        text the template puts before it (Llama 2's ``" </s>"``).
+
+        The text is tokenised as it continues the turn, not as the start of a string:
+        SentencePiece tokenizers (a ``Prepend("▁")`` normaliser or a ``Metaspace``
+        pre-tokenizer) would otherwise open every observation with a space token the
+        rendering of the whole conversation does not have."""
+        text = self.before + observation + self.after
+        if last_token is not None and last_token in self._special:
+            end = self.tokenizer.convert_ids_to_tokens(last_token)
+            k = self.before.find(end) if end else -1
+            if k >= 0 and not self.before[:k].strip():  # only whitespace before it
+                text = text[k:]  # starts with the policy's end token (dropped below)
+        ids = self._continuing(text)
         return ids[1:] if ids and last_token is not None and ids[0] == last_token else ids
 
+    @property
+    def _special(self) -> set[int]:
+        added = getattr(self.tokenizer, "added_tokens_decoder", {}) or {}
+        return set(self.tokenizer.all_special_ids) | {
+            i for i, t in added.items() if getattr(t, "special", False)}
 
-def make_envs(factory: Callable[[], Env], examples: list[Any], group_size: int) -> list[Env]:
-    """One environment per row (rows of a group contiguous), reset with its example."""
-    envs = []
+    def _continuing(self, text: str) -> list[int]:
+        """Ids of ``text`` after other text: tokenised behind an anchor whose ids are then
+        dropped (as a plain string where the anchor merges with ``text``)."""
+        def ids(s: str) -> list[int]:
+            return self.tokenizer(s, add_special_tokens=False)["input_ids"]
+        anchor = ids(_ANCHOR)
+        both = ids(_ANCHOR + text)
+        return both[len(anchor):] if both[:len(anchor)] == anchor else ids(text)
+
+
+def make_envs(factory: Callable[[], Env], examples: list[Any], group_size: int
+              ) -> tuple[list[Env], list[str | None]]:
+    """One environment per row (rows of a group contiguous), reset with its example, and what
+    each ``reset`` returned: the row's initial observation, or None."""
+    envs, shown = [], []
     for ex in examples:
         for _ in range(group_size):
             env = factory()
-            env.reset(ex.prompt, **{**ex.columns, "answer": ex.answer})
+            shown.append(env.reset(ex.prompt, **{**ex.columns, "answer": ex.answer}))
             envs.append(env)
-    return envs
+    return envs, shown
 
 
 def _turn_seed(seed: int, member: int, turn: int) -> int:
@@ -82,8 +112,9 @@ def multi_turn(sample: SampleFn, prompts: list[list[int]], envs: list[Env], *,
     """``group_size`` episodes per prompt of at most ``max_turns`` policy turns each.
 
     ``sample`` draws one turn for a batch of contexts (an engine's ``generate``); ``envs[i]``
-    is row ``i``'s environment (:func:`make_envs`); ``decode`` turns a policy turn's ids into
-    the text the environment reads. ``truncated[i]``: row ``i``'s last turn hit the token cap.
+    is row ``i``'s environment (:func:`make_envs`, already reset); ``decode`` turns a policy
+    turn's ids into the text the environment reads. ``truncated[i]``: row ``i``'s last turn
+    hit the token cap.
     """
     roll = sample(prompts, group_size, seeds)
     n = len(roll)
@@ -152,11 +183,18 @@ def engine_sampler(engine: Any, params: SamplingParams) -> SampleFn:
 
 class TurnLoop:
     """What the trainer holds for ``rollout.max_turns > 1``: the environment factory, the
-    observation format and the turn cap; :meth:`run` is one batch of episodes."""
+    observation format and the turn cap; :meth:`run` is one batch of episodes.
+
+    An environment whose ``reset`` returns text (an initial observation: OpenEnv's ``reset``
+    observation, a game's board) has it shown on the first turn: the prompt is formatted
+    again (``chat_template``, ``system_prompt``, as the task formats its prompts) with the
+    observation after the dataset prompt in the user message. Reward functions still get the
+    dataset prompt."""
 
     def __init__(self, factory: Callable[[], Env], tokenizer: Any, *, max_turns: int,
-                 chat_template: bool) -> None:
+                 chat_template: bool, system_prompt: str = "") -> None:
         self.factory, self.tokenizer, self.max_turns = factory, tokenizer, max_turns
+        self.chat_template, self.system_prompt = chat_template, system_prompt
         self.fmt = ObservationFormat(tokenizer, chat_template=chat_template)
 
     @classmethod
@@ -170,13 +208,28 @@ class TurnLoop:
         except (KeyError, ValueError) as e:  # an unknown name lists the registered ones
             raise ConfigError(f"rollout.env: {e}") from e
         return cls(factory, tokenizer, max_turns=rollout.max_turns,
-                   chat_template=task.chat_template)
+                   chat_template=task.chat_template, system_prompt=task.system_prompt)
 
     def run(self, sample: SampleFn, examples: list[Any], prompts: list[list[int]],
             seeds: list[int], group_size: int) -> Rollout:
-        return multi_turn(sample, prompts, make_envs(self.factory, examples, group_size),
-                          group_size=group_size, seeds=seeds, max_turns=self.max_turns,
-                          fmt=self.fmt, decode=self._decode)
+        envs, shown = make_envs(self.factory, examples, group_size)
+        prompts = [self._with_observation(ex, ids, shown[p * group_size:(p + 1) * group_size])
+                   for p, (ex, ids) in enumerate(zip(examples, prompts))]
+        return multi_turn(sample, prompts, envs, group_size=group_size, seeds=seeds,
+                          max_turns=self.max_turns, fmt=self.fmt, decode=self._decode)
+
+    def _with_observation(self, example: Any, ids: list[int],
+                          shown: list[str | None]) -> list[int]:
+        """The prompt's ids, formatted again with its group's initial observation, if any."""
+        if not any(shown):
+            return ids
+        if len(set(shown)) > 1:  # the group's rows share one prompt (and its KV cache)
+            raise ValueError("rollout.env: the rows of one group reset to different initial "
+                             "observations; a group must start from one state (make reset "
+                             "a function of the prompt: OpenEnvAdapter seeds it with one)")
+        text = f"{example.prompt}\n\n{shown[0]}" if example.prompt else str(shown[0])
+        return format_prompt(self.tokenizer, text, chat_template=self.chat_template,
+                             system_prompt=self.system_prompt)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -16,8 +16,9 @@ transcript. Nothing here imports ``openenv``; any object with that ``reset``/``s
 Each episode is reset with ``seed=`` a stable hash of its prompt (where ``reset`` takes a
 ``seed``), so every row of a GRPO group starts from the same environment state, and a run
 starts each prompt's episodes from the same states every time: a group's advantages compare
-responses to one task, not to as many random starts as it has rows. The state ``reset``
-returns is not shown to the policy: the prompt comes from the dataset.
+responses to one task, not to as many random starts as it has rows. The observation ``reset``
+returns goes through ``observe`` too: where that gives text (a board, the task's statement),
+the first turn shows it after the dataset prompt; empty text shows nothing.
 """
 
 from __future__ import annotations
@@ -49,12 +50,14 @@ class OpenEnvAdapter:
         self._takes_seed = "seed" in params or any(
             p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
-    def reset(self, prompt: str, **columns: Any) -> None:
+    def reset(self, prompt: str, **columns: Any) -> str | None:
+        """Reset the environment; its observation's text (``observe``), or None if empty."""
         self.episode += 1
         kwargs: dict[str, Any] = {"episode_id": str(self.episode)}
         if self._takes_seed:
             kwargs["seed"] = prompt_seed(prompt)
-        self.env.reset(**kwargs)
+        obs = self.env.reset(**kwargs)
+        return (self.observe(obs) or None) if obs is not None else None
 
     def step(self, response: str) -> Step:
         obs = self.env.step(self.action(response))

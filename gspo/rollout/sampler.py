@@ -128,7 +128,9 @@ def _next_tokens(logits: torch.Tensor, params: SamplingParams, u: torch.Tensor |
     (the decode loop's own tensor: at SmolLM2's vocabulary a fresh [16, 49k] buffer per step
     cost 7 ms a step, page faults, where glibc returns freed memory to the system)."""
     scaled = logits.float()
-    if u is not None and params.temperature != 1.0:
+    # greedy too: the argmax does not move, and its log-prob is the one the docstring names
+    # (and the trainer's pass at this temperature computes); greedy at T = 0 keeps T = 1's
+    if params.temperature != 1.0 and (u is not None or params.temperature > 0):
         scaled = scaled.div_(params.temperature)
     # logits − logsumexp, as the trainer computes it (gspo.models.logprobs): on CPU
     # torch.log_softmax's normaliser runs ~1e-5 low on 49k-way logits (measured), a bias

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from typing import ClassVar
 
 import numpy as np
 import pytest
@@ -11,7 +12,13 @@ import torch
 from gspo.models import token_logprobs
 from gspo.models.tiny import build_tiny
 from gspo.rollout import ENGINES, EngineOptions, SamplingParams, build_engine, pad_batch
-from gspo.rollout.llamacpp_engine import PRECISION, LlamaCppEngine, _permute_qk, export_gguf
+from gspo.rollout.llamacpp_engine import (
+    PRECISION,
+    LlamaCppEngine,
+    _permute_qk,
+    context_size,
+    export_gguf,
+)
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +129,65 @@ def test_llama3_rope_scaling_goes_into_the_rope_freqs_tensor(tmp_path):
                         "original_max_position_embeddings": 128})
     with pytest.raises(NotImplementedError, match="rope_type='yarn'"):
         export_gguf(yarn, tok, tmp_path / "yarn.gguf")
+
+class _FakeLlama:
+    """The part of ``llama_cpp.Llama`` the engine uses, failing as llama.cpp does when more
+    tokens are evaluated than its context holds; logits a fixed function of the last token."""
+
+    loads: ClassVar[list[int]] = []
+
+    def __init__(self, model_path, n_ctx, **kw):
+        self.n_ctx_, self.n_tokens, self.ctx = n_ctx, 0, self
+        _FakeLlama.loads.append(n_ctx)
+        self.table = np.random.default_rng(0).standard_normal((300, 300)).astype(np.float32)
+
+    def n_vocab(self):
+        return 300
+
+    def reset(self):
+        self.n_tokens = 0
+
+    def eval(self, tokens):
+        if self.n_tokens + len(tokens) > self.n_ctx_:
+            raise RuntimeError("llama_decode returned 1: out of context")
+        self.n_tokens += len(tokens)
+        self.row = np.ascontiguousarray(self.table[tokens[-1] % 300])
+
+
+def _fake_llama_cpp():
+    import ctypes
+    import types
+
+    return types.SimpleNamespace(Llama=_FakeLlama, llama_get_logits_ith=lambda ctx, i: (
+        ctx.row.ctypes.data_as(ctypes.POINTER(ctypes.c_float))))
+
+
+def test_a_prompt_longer_than_the_context_reloads_a_larger_one(tiny, monkeypatch):
+    """prompt + max_new_tokens past the context the engine started with is sampled, on a
+    context reloaded large enough (llama-cpp-python stands in for a fake here)."""
+    pytest.importorskip("gguf")
+    monkeypatch.setitem(sys.modules, "llama_cpp", _fake_llama_cpp())
+    _FakeLlama.loads = []
+    engine = LlamaCppEngine(*tiny, EngineOptions(), n_ctx=16, n_threads=1)
+    try:
+        prompt = list(range(3, 15))  # 12 tokens + 8 new > 16
+        roll = engine.generate([prompt], group_size=2, seeds=[0],
+                               params=SamplingParams(max_new_tokens=8))
+        assert len(roll) == 2 and _FakeLlama.loads[0] == 16 and engine.n_ctx >= 20
+        assert _FakeLlama.loads[-1] == engine.n_ctx
+        engine.generate([prompt], group_size=1, seeds=[0], params=SamplingParams(4))
+        assert len(_FakeLlama.loads) == 2  # enough room: no reload
+    finally:
+        engine.close()
+
+
+def test_context_size_grows_to_what_a_request_needs():
+    assert context_size(2048, 300, 8192) == 2048
+    assert context_size(2048, 2100, 8192) == 4096
+    assert context_size(2048, 9000, 8192) == 9000
+    assert context_size(2048, 2100, 2048) == 2100
+    assert context_size(16, 20, None) == 32
+
 
 # ------------------------------------------------------------------ with llama-cpp-python
 def _engine(tiny):

@@ -277,3 +277,19 @@ def test_each_step_draws_with_a_fresh_uniform():
     mid = below + probs.gather(-1, tok[..., None]).squeeze(-1) / 2  # PIT midpoint [R, 2]
     corr = torch.corrcoef(mid.t())[0, 1]
     assert abs(float(corr)) < 0.2
+
+
+def test_greedy_logprobs_are_at_the_sampling_temperature():
+    """``generate(greedy=True)`` with T != 1 picks the argmax (as at T = 1) and records its
+    log-prob under log_softmax(logits / T), what the trainer's pass at T computes."""
+    model, tok, prompts = _setup()
+    params = SamplingParams(max_new_tokens=6, temperature=0.5)
+    roll = generate(model, prompts, group_size=1, params=params, eos=[tok.eos_token_id],
+                    pad_id=0, greedy=True)
+    assert roll.response_ids == greedy_generate(model, prompts, max_new_tokens=6,
+                                                eos=[tok.eos_token_id], pad_id=0)
+    batch = pad_batch(roll.prompt_ids, roll.response_ids, 0, roll.logprobs)
+    with torch.no_grad():
+        lp, _ = token_logprobs(model, batch["input_ids"], batch["attention_mask"],
+                               batch["response_mask"], temperature=0.5)
+    assert ((lp - batch["old_logprobs"]) * batch["response_mask"]).abs().max() < 3e-6
