@@ -20,7 +20,15 @@ Prompts are drawn by the trainer, in step order, when a batch is asked for; so a
 checkpoint after step ``s`` the task has drawn batches ``0 … s + k - 1``. Resume stays exact by
 checkpointing the in-flight batches ``s … s + k - 1`` themselves (their versions are older than
 the checkpoint's weights, so they could not be regenerated from it): :meth:`state_dict` waits
-for them and returns them with their prompts as JSON-able lists.
+for them and returns them with their prompts as JSON-able lists, and with the settings they were
+sampled under (``sampled_under``: the sampling parameters, the engine, ``objective.old_logprobs``
+and ``moe.routing_replay``, which decide what a batch carries). A resume that changes one of
+those samples the in-flight batches again, with the same prompts and seeds, from the weights it
+resumes with (less stale, as after a rollback), and warns: kept, they would train under the new
+settings on what the old ones sampled (e.g. log-probs at another temperature, or no behaviour
+pass for ``recompute``). The logging cadences (``logging.rollout_check_every``,
+``logging.drift_every``) only decide which of them carry the pass that measures staleness: the
+resumed run keeps them, and its first k steps measure where the checkpointed run's would have.
 
 π_old under staleness (``objective.old_logprobs``): ``rollout``: the behaviour policy's log-probs
 as the engine recorded them; ``recompute``: the behaviour policy's log-probs by the trainer's own
@@ -41,6 +49,7 @@ is 1 at θ = θ_old); ``trainer_logprobs`` stay the pass on its own experts, for
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -125,7 +134,9 @@ class AsyncRollout:
                  pad_id: int, device: torch.device | None = None,
                  routing: bool = False, replay: bool = False,
                  addresses: tuple[str, ...] = (), timeout_s: float = 1800.0,
-                 engines: int = 1, turns: Any = None, lend_threads: bool = False) -> None:
+                 engines: int = 1, turns: Any = None, lend_threads: bool = False,
+                 sampled_under: dict[str, Any] | None = None,
+                 request_for: Callable[[list[Example], int], Request] | None = None) -> None:
         """``draw(step)``: the step's prompts from the task (called once per step, in order);
         ``check(step)``: whether the engine process also runs the trainer's log-prob pass on
         that step's batch (every step for ``old_logprobs=recompute``). ``device``: where the
@@ -140,7 +151,11 @@ class AsyncRollout:
         its messages. ``turns`` (``rollout.max_turns > 1``): the engines
         sample multi-turn episodes, each request carrying its prompts' examples.
         ``lend_threads``: the trainer borrows the engines' threads while they are idle
-        (:class:`ThreadLending`; engines spawned here only)."""
+        (:class:`ThreadLending`; engines spawned here only). ``sampled_under``: the settings
+        (option name: value) that decide what a batch is, checkpointed with the in-flight
+        batches; ``request_for(examples, step)``: a pipeline batch's request again (the same
+        prompts and seeds), for the in-flight batches a resume that changed those settings
+        samples again (see :meth:`load_state_dict`)."""
         self.k, self.total, self.draw, self.check = k, total_steps, draw, check
         self.engine_name, self.opts, self.threads = engine, opts, threads
         self.addresses, self.n_engines, self.turns = addresses, engines, turns
@@ -154,6 +169,11 @@ class AsyncRollout:
         # by request key: a step (its pipeline batch), or (step, draw) for an extra draw
         self.inflight: dict[int | tuple[int, int], list[Example]] = {}
         self.ready: dict[int | tuple[int, int], tuple[list[Example], dict[str, Any]]] = {}
+        self.sampled_under = dict(sampled_under or {})
+        self.request_for = request_for
+        # a resume under other settings: the checkpoint's in-flight batches, sampled again
+        # from the resumed weights (the floor) by the first _fill
+        self.resample: list[tuple[int, list[Example]]] = []
         if lend_threads and addresses:
             raise ConfigError("rollout.async_lend_threads: the engines started with gspo engine "
                               "(rollout.async_address) run on their own cores, not this "
@@ -195,6 +215,11 @@ class AsyncRollout:
             self.lending.poll()
 
     def _fill(self, step: int) -> None:
+        # a resume under other settings: the checkpoint's in-flight batches again, from the
+        # resumed weights, in step order before any later batch (see load_state_dict)
+        for b, examples in self.resample:
+            self._ask(self.request_for(examples, b), examples, version=self.floor)
+        self.resample = []
         for b in range(self.submitted, min(step + self.k, self.total - 1) + 1):
             examples, req = self.draw(b)
             # An extended run (resumed with more steps than it had) never drew its last k
@@ -289,12 +314,16 @@ class AsyncRollout:
             self._take_one()
         ready = {str(s): {"examples": [dataclasses.asdict(e) for e in ex], "rollout": enc}
                  for s, (ex, enc) in sorted(self.ready.items())}
-        return {"k": self.k, "submitted": self.submitted, "ready": ready}
+        return {"k": self.k, "submitted": self.submitted, "ready": ready,
+                "sampled_under": self.sampled_under}
 
     def load_state_dict(self, state: dict[str, Any], rank: int = 0, world_size: int = 1
                         ) -> None:
         """``state["ready"]``: :meth:`state_dict`'s, or under torchrun a list of every rank's
-        (each rank sampled its own share of the prompts); this is ``rank`` of ``world_size``."""
+        (each rank sampled its own share of the prompts); this is ``rank`` of ``world_size``.
+        In-flight batches sampled under other settings than this run's (``sampled_under``;
+        a checkpoint without them: taken as this run's) are sampled again, from the weights
+        resumed with (the version :meth:`start` gets), with a warning naming the settings."""
         if state["k"] != self.k:
             raise ConfigError(f"resume: the run was checkpointed with rollout.async_steps="
                              f"{state['k']}, not {self.k}")
@@ -306,6 +335,18 @@ class AsyncRollout:
         self.submitted = state["submitted"]
         self.ready = {int(s): ([Example(**e) for e in v["examples"]], v["rollout"])
                       for s, v in per_rank[rank].items()}
+        saved = state.get("sampled_under", {})
+        changed = [f"{key}={saved[key]} (now {value})" for key, value in self.sampled_under.items()
+                   if key in saved and saved[key] != value]
+        if changed and self.ready:
+            if self.request_for is None:
+                raise ConfigError(f"resume: the checkpoint's in-flight batches were sampled with "
+                                  f"{', '.join(changed)}; resume with the run's own settings")
+            warnings.warn(f"resume: the checkpoint's {len(self.ready)} in-flight batch(es) were "
+                          f"sampled with {', '.join(changed)}: sampled again, with the same "
+                          "prompts and seeds, from the weights resumed with", stacklevel=2)
+            self.resample = [(s, ex) for s, (ex, _) in sorted(self.ready.items())]
+            self.ready = {}
 
     def close(self) -> None:
         if self.lending is not None:

@@ -433,6 +433,14 @@ class Trainer:
         # recompute, and for an MoE policy π_old's routing (unless π_old is the proximal policy)
         behaviour_pass = (cfg.objective.old_logprobs == "recompute"
                           or self._behaviour_routing())
+        r = cfg.rollout
+        # what decides a batch's samples and what it carries (checkpointed with the in-flight
+        # batches: a resume that changes one samples them again, see AsyncRollout)
+        sampled_under = {f"rollout.{key}": getattr(r, key) for key in (
+            "temperature", "top_p", "top_k", "max_new_tokens", "group_size", "max_turns",
+            "engine", "precision")}
+        sampled_under.update({"objective.old_logprobs": cfg.objective.old_logprobs,
+                              "moe.routing_replay": cfg.moe.routing_replay})
         return AsyncRollout(
             k=k, total_steps=cfg.steps, draw=self._request,
             check=lambda step: behaviour_pass or self._measuring_step(step),
@@ -444,7 +452,8 @@ class Trainer:
             replay=(self.hooks.records_rollout_routing
                     and cfg.objective.old_logprobs == "recompute"),
             addresses=tuple(mine), timeout_s=cfg.rollout.async_timeout_s,
-            engines=n, turns=self.turns, lend_threads=cfg.rollout.async_lend_threads)
+            engines=n, turns=self.turns, lend_threads=cfg.rollout.async_lend_threads,
+            sampled_under=sampled_under, request_for=self._request_for)
 
     def _behaviour_routing(self) -> bool:
         """Whether π_old's expert choices (what R2 replays, what ``moe/routing_change``
@@ -841,6 +850,11 @@ class Trainer:
                 old.routing_metrics = staleness_routing_metrics(
                     roll.trainer_routing, routing, padded["response_mask"], self.dist)
             routing = roll.trainer_routing
+        elif self.async_rollout is not None and routing is not None:
+            # decoupled: π_old's experts are this step's own; the behaviour pass (on the
+            # measuring steps) recorded the behaviour policy's, for the same measure
+            old.routing_metrics = staleness_routing_metrics(
+                roll.trainer_routing, routing, padded["response_mask"], self.dist)
         own, (routing, replayed) = routing, self.hooks.rollout_routing(roll, routing, self.dist)
         old.routing_metrics.update(replayed)
         # recompute / decoupled: the trainer's π_old; rollout (§5.4): the engine's. Only a

@@ -1369,3 +1369,78 @@ def test_the_staleness_distribution_has_one_share_per_lag_up_to_the_bound():
     assert [m[f"async/staleness_frac_{s}"] for s in range(4)] == [0.25, 0.5, 0.25, 0.0]
     assert (m["async/staleness_min"], m["async/staleness_mean"], m["async/staleness_max"]) == (
         0.0, 1.0, 2.0)
+
+
+def test_a_resume_under_other_sampling_settings_samples_the_inflight_batches_again():
+    """The checkpoint's in-flight batches carry the settings they were sampled under. A resume
+    with the same ones keeps them (bit for bit); one with another ``rollout.temperature``
+    samples them again, with the same prompts and seeds and the new temperature, from the
+    version it resumes with, and says so. Kept, their log-probs at the old temperature
+    trained as π_old against π_θ at the new one."""
+    model, tok = load_model("tiny:llama", seed=0)
+
+    def pipeline(temperature):
+        def request_for(examples, step):
+            return Request(step, step, [[1, 2, 3 + step]], 2,
+                           SamplingParams(3, temperature), [step], False)
+
+        pipe = AsyncRollout(k=2, total_steps=5, draw=lambda s: ([], request_for([], s)),
+                            check=lambda s: False, engine="hf", opts=EngineOptions(),
+                            threads=1, logprob_fn=None, temperature=temperature, chunk=8,
+                            pad_id=0, sampled_under={"rollout.temperature": temperature},
+                            request_for=request_for)
+        pipe.engine = InlineEngine(model, tok, 2)
+        return pipe
+
+    pipe = pipeline(1.0)
+    pipe.publish(model, 0)
+    for step in range(3):
+        pipe.next(step)
+        pipe.publish(model, step + 1)
+    state = json.loads(json.dumps(pipe.state_dict()))
+    assert state["sampled_under"] == {"rollout.temperature": 1.0}
+    same = pipeline(1.0)
+    same.load_state_dict(state)
+    same.floor = same.published = 3  # as start(version=3)
+    assert [same.next(s)[1].versions for s in (3, 4)] == [[1, 1], [2, 2]]
+    assert same.engine.asked == []  # nothing sampled again
+    other = pipeline(0.5)
+    with pytest.warns(UserWarning, match=r"rollout.temperature=1.0 \(now 0.5\)"):
+        other.load_state_dict(state)
+    other.publish(model, 3)
+    other.floor = 3
+    assert [other.next(s)[1].versions for s in (3, 4)] == [[3, 3], [3, 3]]
+    assert [(r.step, r.version, r.params.temperature) for r in other.engine.asked] == [
+        (3, 3, 0.5), (4, 3, 0.5)]
+
+
+@pytest.mark.slow
+def test_an_async_run_resumed_with_recompute_samples_its_inflight_batch_again(tmp_path):
+    """k = 1 with ``old_logprobs=rollout`` cut after its step-2 checkpoint, resumed with
+    ``recompute``: the in-flight batch never had the behaviour pass that π_old now is (the
+    loss crashed on a None π_old); it is sampled again from the resumed weights, with it."""
+    extra = ["steps=3", "rollout.async_steps=1", "save_every=1",
+             "logging.rollout_check_every=0"]
+    whole = _trained(_cfg(tmp_path, "whole", *extra, "objective.old_logprobs=rollout"))
+    crashed = _cut_after_step_2(whole.run_dir, tmp_path / "crashed")
+    with pytest.warns(UserWarning, match="objective.old_logprobs=rollout"):
+        resumed = _trained(_cfg(tmp_path, "crashed", *extra, "objective.old_logprobs=recompute",
+                                f"resume={crashed}"))
+    last = _rows(resumed)[-1]
+    assert last["async/staleness_max"] == 0  # from the weights it resumed with
+    assert last["async/engine_mismatch_abs_max"] < 3e-5  # the behaviour pass is there
+
+
+def test_decoupled_async_moe_logs_how_far_staleness_moved_the_routing(tmp_path):
+    """``old_logprobs=decoupled`` with an MoE policy at k = 1: π_old's experts are this
+    step's, but on the measuring steps the engine process's pass records the behaviour
+    policy's, so ``async/staleness_{routing,expert}_change`` is logged as for ``rollout``
+    (it was never logged under ``decoupled``)."""
+    rows = _rows(_trained(_cfg(tmp_path, "dec-moe", "model=tiny:qwen3_moe",
+                               "rollout.async_steps=1", "objective.old_logprobs=decoupled",
+                               "objective.correction.name=tis",
+                               "logging.rollout_check_every=1")))
+    assert rows[0]["async/staleness_routing_change"] == 0.0  # version 0 sampled step 0
+    assert rows[1]["async/staleness_routing_change"] > 0  # one update behind
+    assert 0 < rows[1]["async/staleness_expert_change"] <= rows[1][
+        "async/staleness_routing_change"]
