@@ -74,7 +74,9 @@ class TaskConfig:
     answer_field: str = _f("answer", "task.name=jsonl or dataset (or rows passed to "
                            "Trainer(train_dataset=...)): column holding the reference answer")
     system_prompt: str = _f("You are a helpful assistant.",
-                            "system message for the chat template (empty: the tokenizer's own)")
+                            "system message for the chat template (empty: the tokenizer's own; "
+                            "a template without a system role: the user message's first "
+                            "paragraph)")
     chat_template: bool = _f(True, "apply the tokenizer's chat template (false: raw prompts)")
 
 

@@ -8,9 +8,14 @@ Every problem comes with the dataset's own entry, so the ``reasoning_gym`` rewar
 
 The held-out split is disjoint from training by construction, as for the built-in tasks: a
 problem is held out when a hash of its question says so (:func:`gspo.data.base.is_held_out`),
-whatever the seed. The seed picks which problems each side draws: training walks the dataset
-built with ``seed`` index by index, the held-out set the first ``task.eval_size`` distinct
-held-out questions of one built with a seed derived from it.
+whatever the seed. The seed picks which problems each side draws: training walks a stream of
+problems derived from ``seed`` index by index, the held-out set takes the first
+``task.eval_size`` distinct held-out questions of another. A stream is a sequence of datasets
+of :data:`CHUNK` problems, each built with a seed hashed from the side (train or eval), the
+run's seed and its place in the stream: a reasoning-gym dataset draws problem ``i`` from
+``Random(seed + i)``, so datasets built with consecutive seeds hold the same problems shifted
+by one, and some datasets (acre, gsm_symbolic, list_functions, word_ladder) build or refuse
+all ``size`` problems when created.
 
 Install with ``pip install 'gspo[reasoning_gym]'``; it is imported when the task is built.
 """
@@ -22,7 +27,7 @@ from typing import Any
 
 from gspo.data.base import DataError, Example, is_held_out
 
-SIZE = 10**9  # the datasets are indexed procedurally: a virtual size, nothing is materialised
+CHUNK = 1000  # problems per dataset built (acre, gsm_symbolic, ... build all of them up front)
 MAX_SKIPS = 1000  # consecutive held-out draws before a training draw gives up
 EVAL_TRIES = 50  # draws per wanted held-out problem before the held-out set stays smaller
 
@@ -36,8 +41,8 @@ def import_reasoning_gym() -> Any:
     return reasoning_gym
 
 
-def create(name: str, options: dict[str, Any], seed: int) -> Any:
-    """``reasoning_gym.create_dataset(name, seed=seed, size=SIZE, **options)`` with the
+def create(name: str, options: dict[str, Any], seed: int, size: int = CHUNK) -> Any:
+    """``reasoning_gym.create_dataset(name, seed=seed, size=size, **options)`` with the
     package's errors (unknown dataset, unknown or invalid option) as one-line DataErrors."""
     rg = import_reasoning_gym()
     from reasoning_gym.factory import DATASETS
@@ -50,15 +55,33 @@ def create(name: str, options: dict[str, Any], seed: int) -> Any:
         if reserved in options:
             raise DataError(f"task.options.{reserved}: set by gspo (use the run's seed)")
     try:
-        return rg.create_dataset(name, seed=seed, size=SIZE, **options)
+        return rg.create_dataset(name, seed=seed, size=size, **options)
     except (TypeError, ValueError, AssertionError) as e:
         why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise DataError(f"task.options for reasoning-gym '{name}': {why}") from None
 
 
-def _eval_seed(seed: int) -> int:
-    digest = hashlib.sha256(f"reasoning-gym-eval-{seed}".encode()).digest()
+def _chunk_seed(stream: str, chunk: int) -> int:
+    digest = hashlib.sha256(f"reasoning-gym-{stream}-{chunk}".encode()).digest()
     return int.from_bytes(digest[:4], "little")
+
+
+class _Stream:
+    """Problem ``i`` of an endless seeded stream: problem ``i % CHUNK`` of the dataset of
+    :data:`CHUNK` problems built with the seed hashed from (``stream``, ``i // CHUNK``)."""
+
+    def __init__(self, name: str, options: dict[str, Any], stream: str) -> None:
+        self.name, self.options, self.stream = name, options, stream
+        self.chunk, self.dataset = 0, self._build(0)  # bad options fail here, at build time
+
+    def _build(self, chunk: int) -> Any:
+        return create(self.name, self.options, _chunk_seed(self.stream, chunk))
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        chunk, k = divmod(i, CHUNK)
+        if chunk != self.chunk:
+            self.chunk, self.dataset = chunk, self._build(chunk)
+        return self.dataset[k]
 
 
 class ReasoningGymTask:
@@ -71,9 +94,9 @@ class ReasoningGymTask:
 
     def __init__(self, name: str, options: dict[str, Any], eval_size: int, seed: int) -> None:
         self.name, self.options = name, dict(options)
-        self.train = create(name, self.options, seed)
+        self.train = _Stream(name, self.options, f"train-{seed}")
         self.index = 0
-        held = create(name, self.options, _eval_seed(seed))
+        held = _Stream(name, self.options, f"eval-{seed}")
         seen: set[str] = set()
         self.eval_examples: list[Example] = []
         for i in range(eval_size * EVAL_TRIES):

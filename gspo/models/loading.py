@@ -174,6 +174,13 @@ def load_model(name: str, *, dtype: torch.dtype = torch.float32, seed: int = 0) 
             raise ModelError(f"model: {e}") from None
     tokenizer = AutoTokenizer.from_pretrained(where)
     model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, **PLAIN_TORCH)
+    return model, ensure_pad_token(tokenizer)
+
+
+def ensure_pad_token(tokenizer: Any) -> Any:
+    """``tokenizer`` with EOS as its pad token when it has none (Llama 3, Mistral base, ...):
+    batched prompts are left-padded with it (the attention mask hides the padding, so its
+    value does not matter, but it must be a token id). Returns the same tokenizer."""
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return model, tokenizer
+    return tokenizer

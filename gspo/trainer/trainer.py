@@ -46,6 +46,7 @@ from gspo.models.lean_forward import (
     lean_unsupported,
     no_autograd,
 )
+from gspo.models.loading import ensure_pad_token
 from gspo.models.lora import apply_lora, is_peft, reference_logprobs
 from gspo.models.moe import replay_routing
 from gspo.models.onednn import pays as onednn_pays
@@ -322,6 +323,7 @@ class Trainer:
             if cfg.objective.beta > 0:
                 self.ref_model = frozen(copy.deepcopy(self.model))
             load_weights(self.model, resume_ckpt)
+        ensure_pad_token(self.tokenizer)  # one passed in may have none (Llama 3, Mistral base)
         if cfg.lora.r:
             self.model = apply_lora(self.model, cfg.lora, adapter_dir=resume_ckpt)
         if cfg.disable_dropout:

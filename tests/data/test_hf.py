@@ -163,3 +163,28 @@ def test_raw_prompts_for_base_models():
     assert tok.decode(raw) == "2+2?"  # no role markers, no system message
     tok.chat_template = None  # a base model's tokenizer: raw even when asked for the template
     assert format_prompt(tok, "2+2?", chat_template=True) == raw
+
+
+# Gemma's template (abridged): BOS in the text, no system role, roles must alternate.
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}"
+    "{{ raise_exception('System role not supported') }}{% endif %}"
+    "{% for message in messages %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{% endif %}{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}")
+
+
+def test_a_template_without_a_system_role_gets_the_system_prompt_in_the_user_message():
+    """The default task.system_prompt stopped a Gemma model's first rollout with the
+    template's "System role not supported"."""
+    tok = byte_tokenizer()
+    tok.chat_template = GEMMA_TEMPLATE
+    ids = format_prompt(tok, "2+2?", system_prompt=TaskConfig().system_prompt)
+    assert tok.decode(ids) == ("<bos><start_of_turn>user\nYou are a helpful assistant.\n\n2+2?"
+                               "<end_of_turn>\n<start_of_turn>model\n")
+    assert ids.count(tok.bos_token_id) == 1  # the template's BOS only
+    assert tok.decode(format_prompt(tok, "2+2?")) == (
+        "<bos><start_of_turn>user\n2+2?<end_of_turn>\n<start_of_turn>model\n")

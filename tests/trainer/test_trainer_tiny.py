@@ -485,3 +485,18 @@ def test_only_a_reward_that_names_response_tokens_gets_them():
     total, _ = scorer(["p", "q"], ["a", "b"], {"answer": ["1", "2"]}, response_tokens=[3, 4])
     assert total == [2.0, 2.0]
     assert got == {"named": ([3, 4], ["answer"]), "loose": ["answer"]}
+
+
+def test_a_tokenizer_passed_in_without_a_pad_token_gets_its_eos(tmp_path):
+    """Llama 3 and Mistral base tokenizers ship without a pad token; the rollout's left
+    padding needs one (it stopped the first step with a TypeError)."""
+    from gspo.models.tiny import build_tiny
+
+    model, tok = build_tiny("llama")
+    tok.pad_token = None
+    cfg = _cfg(tmp_path, "nopad", "steps=1", "rollout.max_new_tokens=4",
+               "rollout.prompts_per_step=2", "rollout.group_size=2", "task.eval_size=2",
+               "eval_before=false")
+    trainer = Trainer(cfg, model=model, tokenizer=tok, reward_fns=[starts_with_digit]).setup()
+    assert trainer.pad_id == tok.eos_token_id
+    assert trainer.train()["steps"] == 1
