@@ -10,6 +10,7 @@ only (``adapter_model.safetensors`` + ``adapter_config.json``); ``gspo export``
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ import torch
 from gspo.config import ConfigError
 from gspo.models.loading import ModelError
 from gspo.models.logprobs import token_logprobs
+from gspo.models.twin import meta_twin
 
 
 def is_peft(model: Any) -> bool:
@@ -42,23 +44,37 @@ def apply_lora(model: Any, cfg: Any, *, adapter_dir: str | Path | None = None) -
     """Wrap ``model`` in a PEFT LoRA adapter (:class:`gspo.config.LoRAConfig` ``cfg``); only
     the adapter is trainable. ``adapter_dir`` resumes a saved adapter instead of a fresh one."""
     try:
-        from peft import LoraConfig, PeftModel, get_peft_model
+        from peft import PeftModel, get_peft_model
     except ImportError:
         raise ImportError("lora.r > 0 needs the peft package: pip install peft") from None
     if is_peft(model):
         raise ValueError("the model already carries a PEFT adapter; set lora.r=0 to train it")
     if adapter_dir is not None:
-        _check_saved_adapter(Path(adapter_dir), cfg)
+        _check_saved_adapter(Path(adapter_dir), cfg, model)
         return PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=True)
     targets = cfg.target_modules
     if targets != ["all-linear"]:  # checked first: get_peft_model changes ``model`` in place
         _check_targets(model, targets)
-    lora = LoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
-                      target_modules="all-linear" if targets == ["all-linear"] else list(targets))
     try:
-        return get_peft_model(model, lora)
+        return get_peft_model(model, _lora_config(cfg))
     except ValueError as e:  # e.g. no module matches target_modules
         raise ModelError(f"lora: {str(e).strip().splitlines()[0]}") from None
+
+
+def _lora_config(cfg: Any) -> Any:
+    """PEFT's ``LoraConfig`` for :class:`gspo.config.LoRAConfig` ``cfg``."""
+    from peft import LoraConfig
+
+    targets = cfg.target_modules
+    return LoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
+                      target_modules="all-linear" if targets == ["all-linear"] else list(targets))
+
+
+def _recorded_targets(config: Any) -> tuple[list[str], list[str]]:
+    """The (modules, parameters) a PEFT ``LoraConfig`` (or its saved ``adapter_config.json``
+    dict) records as adapted."""
+    get = config.get if isinstance(config, dict) else lambda key: getattr(config, key, None)
+    return sorted(get("target_modules") or []), sorted(get("target_parameters") or [])
 
 
 def _check_targets(model: Any, targets: list[str]) -> None:
@@ -87,20 +103,40 @@ def _check_targets(model: Any, targets: list[str]) -> None:
                              f"would change {other} too; leave it out")
 
 
-def _check_saved_adapter(adapter_dir: Path, cfg: Any) -> None:
+def _check_saved_adapter(adapter_dir: Path, cfg: Any, model: Any) -> None:
     """A resumed run keeps its saved adapter's shape: ``lora.*`` values that differ from it
-    would be ignored, so they are a :class:`gspo.config.ConfigError`."""
+    would be ignored, so they are a :class:`gspo.config.ConfigError`. The targets are compared
+    as PEFT records them, which is not as they are given: ``all-linear`` becomes the names it
+    chose, and an MoE router or fused experts (``gate``, ``all-linear`` on Qwen3-MoE) become
+    ``target_parameters``; so ``cfg`` is applied to a meta-device twin of ``model`` first."""
+    from peft import get_peft_model
+
     saved = json.loads((adapter_dir / "adapter_config.json").read_text())
     pairs = [("r", cfg.r, saved.get("r")), ("alpha", cfg.alpha, saved.get("lora_alpha")),
              ("dropout", cfg.dropout, saved.get("lora_dropout"))]
-    if cfg.target_modules != ["all-linear"]:  # PEFT saves all-linear as the names it chose
-        pairs.append(("target_modules", sorted(cfg.target_modules),
-                      sorted(saved.get("target_modules") or [])))
+    try:
+        with warnings.catch_warnings():  # e.g. PEFT's unmatched rank_pattern keys
+            warnings.simplefilter("ignore")
+            twin = get_peft_model(meta_twin(model), _lora_config(cfg))
+        wanted = _recorded_targets(twin.peft_config[twin.active_adapter])
+    except (TypeError, ValueError):  # e.g. no module matches: compare the names as given
+        wanted = (sorted(cfg.target_modules), [])
+    have = _recorded_targets(saved)
+    if wanted != have:
+        pairs.append(("target_modules", f"{cfg.target_modules} (adapting {_shown(wanted)})",
+                      _shown(have)))
     for key, want, have in pairs:
         if want != have:
             raise ConfigError(f"resume: lora.{key}={want} but the checkpoint's adapter has "
                               f"{have}; a resumed run keeps its adapter (drop the override, or "
                               "start a new run)")
+
+
+def _shown(targets: tuple[list[str], list[str]]) -> str:
+    """Adapted modules (their names' last part, as ``all-linear`` records every layer's) and
+    parameters, for a message."""
+    modules = sorted({name.rpartition(".")[2] for name in targets[0]})
+    return f"modules {modules}" + (f" and parameters {targets[1]}" if targets[1] else "")
 
 
 @torch.no_grad()
@@ -118,14 +154,16 @@ def merged_weights(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
             raise NotImplementedError(f"merged_weights: {name}: PEFT modules_to_save are not "
                                       "folded in")
         owner, _, attr = name.rpartition(".")
-        if owner.endswith(".base_layer"):
-            owner = owner.removesuffix(".base_layer")
-            layer = modules[owner]
-            if attr == "weight":
+        parts = owner.split(".")
+        # Each ``base_layer`` follows a LoRA layer: a module's (its ``weight``), or PEFT's
+        # ParamWrapper of one parameter (``parameter_name``; nested, one per parameter, e.g.
+        # the fused experts' ``gate_up_proj`` and ``down_proj`` of an MoE layer).
+        for i in (i for i, part in enumerate(parts) if part == "base_layer"):
+            layer = modules[".".join(parts[:i])]
+            if attr == getattr(layer, "parameter_name", "weight"):
                 for adapter in layer.active_adapters:
                     t = t + layer.get_delta_weight(adapter)
-            name = f"{owner}.{attr}"
-        yield name, t.detach()
+        yield ".".join([*(part for part in parts if part != "base_layer"), attr]), t.detach()
 
 
 @torch.no_grad()

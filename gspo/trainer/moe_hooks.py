@@ -98,6 +98,13 @@ class PolicyHooks:
 NO_MOE = PolicyHooks()
 
 
+def _innermost(module: torch.nn.Module) -> torch.nn.Module:
+    """The module a PEFT layer wraps (nested wrappers: the innermost), else ``module``."""
+    while isinstance(getattr(module, "base_layer", None), torch.nn.Module):
+        module = module.base_layer
+    return module
+
+
 class MoEHooks(PolicyHooks):
     """Routing replay (R2/R3), the routing-change metric and the load-balancing loss of a
     supported MoE policy, configured by ``moe.*``."""
@@ -124,11 +131,14 @@ class MoEHooks(PolicyHooks):
         scale = self.cfg.router_lr_scale
         if scale == 1:
             return super().param_groups(model, lr)
-        routers = {id(p) for m in router_modules(model) for p in m.parameters()}
+        found = {id(m) for m in router_modules(model)}
+        routers = {id(p) for m in model.modules() if id(_innermost(m)) in found
+                   for p in m.parameters()}  # a LoRA router: its wrapper's adapter too
         mine = [p for p in model.parameters() if p.requires_grad and id(p) in routers]
         if not mine:
             raise ConfigError("moe.router_lr_scale: the policy's routers have no trainable "
-                              "parameters (LoRA trains adapters only); leave it at 1")
+                              "parameters (a LoRA policy whose lora.target_modules leave "
+                              "them out); leave it at 1")
         rest = [p for p in model.parameters() if p.requires_grad and id(p) not in routers]
         return [{"params": rest, "lr": lr}, {"params": mine, "lr": lr * scale}]
 

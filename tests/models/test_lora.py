@@ -225,3 +225,62 @@ def test_adapting_tied_input_embeddings_is_refused():
     with torch.no_grad():
         want = model(input_ids=ids, attention_mask=mask).logits
         assert torch.allclose(plain(input_ids=ids, attention_mask=mask).logits, want, atol=1e-4)
+
+
+def test_merged_weights_fold_in_the_adapters_of_an_moe_routers_and_fused_experts():
+    """lora.target_modules=all-linear on a Qwen3-MoE adapts its routers and fused experts
+    (transformers 5 keeps them as parameters: PEFT wraps each in a ParamWrapper, the experts'
+    two nested). merged_weights named those expert weights ``experts.base_layer.gate_up_proj``
+    and left their adapter out, so a vLLM engine got no expert weights under their names."""
+    import copy
+
+    from gspo.models.lora import merged_weights
+
+    model = apply_lora(build_tiny("qwen3_moe", seed=0)[0], LoRAConfig(r=4, alpha=8))
+    assert {"gate_up_proj", "down_proj", "gate.weight"} <= set(
+        model.peft_config["default"].target_parameters)
+    perturb(model)
+    merged = dict(merged_weights(model))
+    want = copy.deepcopy(model).merge_and_unload().state_dict()
+    assert merged.keys() == want.keys()
+    assert all(torch.equal(merged[k], want[k]) for k in want)
+    plain, _ = build_tiny("qwen3_moe", seed=0)
+    plain.load_state_dict(merged)
+    ids, mask, _ = batch()
+    with torch.no_grad():
+        got = plain(input_ids=ids, attention_mask=mask).logits
+        adapted = model(input_ids=ids, attention_mask=mask).logits
+        base = build_tiny("qwen3_moe", seed=0)[0](input_ids=ids, attention_mask=mask).logits
+    assert float((adapted - base).abs().max()) > 1e-2  # the experts' adapters count ...
+    assert torch.allclose(got, adapted, atol=1e-4)  # ... and are in the merged weights
+
+
+def test_a_resume_compares_the_targets_peft_recorded(tmp_path):
+    """The saved adapter records its targets as PEFT resolved them, not as given: an MoE
+    router (``gate``) as a target *parameter*, all-linear as the names it chose. A run that
+    adapted a Qwen3-MoE's router could not be resumed with its own config (its targets were
+    compared with the saved target_modules alone), and resuming a [q_proj, v_proj] run with
+    all-linear silently kept the two (all-linear was not compared at all)."""
+    from gspo.models.lora import apply_lora as wrap
+
+    saved = wrap(build_tiny("qwen3_moe", seed=0)[0],
+                 LoRAConfig(r=4, alpha=8, target_modules=["q_proj", "gate"]))
+    saved.save_pretrained(tmp_path / "moe")
+    resumed = wrap(build_tiny("qwen3_moe", seed=0)[0],
+                   LoRAConfig(r=4, alpha=8, target_modules=["gate", "q_proj"]),
+                   adapter_dir=tmp_path / "moe")
+    assert resumed.peft_config["default"].target_parameters == {"gate.weight"}
+    with pytest.raises(ConfigError, match=r"resume: lora\.target_modules=\['q_proj'\]"):
+        wrap(build_tiny("qwen3_moe", seed=0)[0],
+             LoRAConfig(r=4, alpha=8, target_modules=["q_proj"]), adapter_dir=tmp_path / "moe")
+
+    two = wrap(build_tiny("llama", seed=0)[0],
+               LoRAConfig(r=4, alpha=8, target_modules=["q_proj", "v_proj"]))
+    two.save_pretrained(tmp_path / "two")
+    with pytest.raises(ConfigError, match=r"lora\.target_modules=\['all-linear'\] .* but the "
+                       r"checkpoint's adapter has modules \['q_proj', 'v_proj'\]"):
+        wrap(build_tiny("llama", seed=0)[0], LoRAConfig(r=4, alpha=8),
+             adapter_dir=tmp_path / "two")
+    every = wrap(build_tiny("llama", seed=0)[0], LoRAConfig(r=4, alpha=8))
+    every.save_pretrained(tmp_path / "every")
+    wrap(build_tiny("llama", seed=0)[0], LoRAConfig(r=4, alpha=8), adapter_dir=tmp_path / "every")

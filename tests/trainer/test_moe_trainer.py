@@ -297,10 +297,27 @@ def test_router_lr_scale_must_be_positive():
 
 def test_router_lr_scale_with_frozen_routers_is_an_error(tmp_path):
     cfg = load_config(None, [f"output_dir={tmp_path}", "model=tiny:qwen3_moe", "lora.r=4",
-                             "moe.router_lr_scale=10", "task.eval_size=0"])
+                             "lora.target_modules=[q_proj,v_proj]", "moe.router_lr_scale=10",
+                             "task.eval_size=0"])
     with pytest.raises(ConfigError, match="routers have no trainable parameters"):
         Trainer(cfg, reward_fns=[char_codes]).setup()
     assert not any(tmp_path.iterdir())
+
+
+def test_router_lr_scale_scales_a_lora_routers_adapter(tmp_path):
+    """lora.target_modules=all-linear adapts a Qwen3-MoE's routers (PEFT wraps the router's
+    weight in a ParamWrapper, whose adapter the router module itself does not hold): that
+    adapter is the routers' group, at lr × router_lr_scale. It was refused as "the routers
+    have no trainable parameters"."""
+    cfg = load_config(None, [f"output_dir={tmp_path}", "model=tiny:qwen3_moe", "lora.r=4",
+                             "moe.router_lr_scale=10", "task.eval_size=0", "optim.lr=1e-3"])
+    trainer = Trainer(cfg, reward_fns=[char_codes]).setup()
+    rest, routers = trainer.optimizer.param_groups
+    assert routers["lr"] == pytest.approx(10 * rest["lr"])
+    names = {id(p): n for n, p in trainer.model.named_parameters()}
+    got = sorted(names[id(p)] for p in routers["params"])
+    assert got and all(".mlp.gate.lora_" in n for n in got)
+    assert not any(".mlp.gate." in names[id(p)] for p in rest["params"])
 
 
 def _unsupported_moe_folder(tmp_path):
