@@ -203,7 +203,8 @@ def reward_part_metrics(parts: Mapping[str, torch.Tensor]) -> dict[str, float]:
 
 def rollout_metrics(roll: Any, batch: dict[str, torch.Tensor], entropy: torch.Tensor | None,
                     gap: torch.Tensor | None, t: dict[str, float], epochs: int,
-                    dist: Any, sampled_tokens: float | None = None) -> dict[str, float]:
+                    dist: Any, sampled_tokens: float | None = None,
+                    stand_ins: torch.Tensor | None = None) -> dict[str, float]:
     """Entropy, lengths, truncation, sampler/trainer log-prob gap and throughput over the
     global batch (sums and maxima all-reduced over ``dist``; times are this rank's). Entropy
     and gap come from the π_old pass; on a step without one they are not logged, each apart
@@ -214,9 +215,18 @@ def rollout_metrics(roll: Any, batch: dict[str, torch.Tensor], entropy: torch.Te
     the gap, then measured on no token.
     ``sampled_tokens``: the global count of tokens the policy sampled in ``t["rollout"]``
     (dynamic sampling's discarded draws included); default the batch's. Either way a
-    multi-turn episode's observation tokens are not counted: the environment wrote them."""
+    multi-turn episode's observation tokens are not counted: the environment wrote them.
+    ``stand_ins``: [len(roll)] bool, dynamic sampling's stand-in rows under torchrun (see
+    :meth:`gspo.trainer.Trainer.refill`): the lengths, truncation and update throughput leave
+    them out, as one process, which has none, does (``response_mask`` has them masked)."""
     mask = batch["response_mask"]
     lengths = torch.tensor([len(r) for r in roll.response_ids], dtype=torch.float64)
+    cut = torch.tensor(roll.truncated, dtype=torch.float64)
+    attended = batch["attention_mask"]
+    if stand_ins is not None:
+        keep = ~stand_ins.cpu()
+        lengths, cut = lengths[keep], cut[keep]
+        attended = attended[keep.to(attended.device)]
     no_entropy, no_gap = entropy is None, gap is None
     if no_entropy:
         entropy = torch.zeros_like(mask)
@@ -224,14 +234,14 @@ def rollout_metrics(roll: Any, batch: dict[str, torch.Tensor], entropy: torch.Te
         gap = torch.zeros(1)
     sums = dist.all_reduce(torch.stack([
         (entropy * mask).sum().double().cpu(), mask.sum().double().cpu(), lengths.sum(),
-        torch.tensor(float(len(roll)), dtype=torch.float64),
-        torch.tensor(float(sum(roll.truncated)), dtype=torch.float64),
-        batch["attention_mask"].sum().double().cpu(),
+        torch.tensor(float(len(lengths)), dtype=torch.float64), cut.sum(),
+        attended.sum().double().cpu(),
         torch.tensor(float(sum(policy_tokens(roll.response_ids, roll.model_mask))),
                      dtype=torch.float64)]))
     ent, n_tok, len_sum, n_rows, truncated, n_tokens, n_policy = sums.tolist()
     len_max, gap_max = dist.all_reduce(
-        torch.stack([lengths.max(), gap.abs().max().double().cpu()]), "max").tolist()
+        torch.stack([lengths.max() if len(lengths) else torch.zeros((), dtype=torch.float64),
+                     gap.abs().max().double().cpu()]), "max").tolist()
     out = {
         "rollout/response_len_mean": len_sum / n_rows,
         "rollout/response_len_max": len_max,

@@ -886,13 +886,19 @@ class Trainer:
         if self.cfg.rollout.mask_truncated:  # zero loss weight; advantages are computed already
             mask = mask_truncated(mask, roll.truncated)
         if self.stand_ins is not None:  # dynamic sampling's stand-in groups: zero loss weight
-            g = roll.group_size
-            first = self.dist.shard(len(self.stand_ins) // g)[0] * g
-            mask = mask_truncated(mask, self.stand_ins[first:first + len(roll)].tolist())
+            mask = mask_truncated(mask, self._own_stand_ins(roll).tolist())
         batch = UpdateBatch(padded["input_ids"], padded["attention_mask"], mask, pi_old, adv,
                             self.reference_logprobs(padded), routing,
                             rollout_logprobs=behaviour)
         return batch, old
+
+    def _own_stand_ins(self, roll: Rollout) -> torch.Tensor | None:
+        """This rank's rows [len(roll)] that are dynamic sampling's stand-ins (torchrun), or
+        None on a step without any."""
+        if self.stand_ins is None:
+            return None
+        first = self.dist.shard(len(self.stand_ins) // roll.group_size)[0] * roll.group_size
+        return self.stand_ins[first:first + len(roll)]
 
     def update(self, batch: UpdateBatch, plan: UpdatePlan) -> UpdateResult:
         cfg = self.cfg
@@ -945,7 +951,8 @@ class Trainer:
             **self.hooks.step_metrics(result.stats, result.counts),
             **rollout_metrics(roll, padded, old.entropy, gap, seconds,
                               self.cfg.objective.epochs, self.dist,
-                              sampled_tokens=sampled_tokens),
+                              sampled_tokens=sampled_tokens,
+                              stand_ins=self._own_stand_ins(roll)),
             **old.routing_metrics,
             **roll.extras,
             **result.diagnostics,
@@ -957,6 +964,8 @@ class Trainer:
                                 old.after if old.recomputed is not None else None, mask,
                                 self.dist, before=old.recomputed)),
             "train/skipped_updates": result.skipped,
+            # minibatches with every response masked: no optimizer step (not a fault)
+            "train/empty_minibatches": result.empty,
             # the mean rate the step's updates ran at (the scheduler has moved on since)
             "train/lr": sum(result.lrs) / len(result.lrs) if result.lrs
             else self.scheduler.get_last_lr()[0],

@@ -109,12 +109,15 @@ class UpdateResult:
 
     ``stats``: one dict per minibatch step taken (global values under ``dist``);
     ``skipped``: updates skipped for a non-finite loss, log-prob or gradient norm;
+    ``empty``: updates skipped because no row of the minibatch counts in the loss (every
+    response masked, e.g. all truncated under ``rollout.mask_truncated``; not a fault);
     ``old_logprobs``: the batch's π_old with the first minibatch's rows filled in (plans with
     ``old_from_first`` and ``first_is_old``; else the input's); ``first_entropy``: those rows'
     policy entropy ``[n_first, width]`` (None without ``old_from_first``), ``first_rows``
     their indices, ``first_logprobs`` their log-probs at this step's weights where they are not
     π_old (``first_is_old=False``); ``lrs``: the learning rate (the first parameter group's)
-    each minibatch step of the plan ran at, or would have run at where it was skipped.
+    each minibatch step of the plan ran at, or would have run at where it was skipped (a
+    skipped update, of either kind, does not advance the lr schedule).
     """
 
     stats: list[dict[str, torch.Tensor]]
@@ -127,6 +130,7 @@ class UpdateResult:
     # per step in ``stats``: the (global) rows, tokens, signal rows/tokens and weight it averages
     counts: list[dict[str, float]] = field(default_factory=list)
     lrs: list[float] = field(default_factory=list)
+    empty: int = 0
 
 
 def policy_update(model: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
@@ -145,12 +149,20 @@ def policy_update(model: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
     ``logprob_fn``: :func:`token_logprobs` or a drop-in with its signature and outputs (e.g.
     :func:`gspo.models.packing.shared_prefix_logprobs`).
     ``diagnostics``: collects the whole step's ``diag/*`` metrics into ``result.diagnostics``.
+
+    A minibatch none of whose rows has loss weight (every response masked) has a zero policy
+    gradient: AdamW would still move the weights by its momentum and weight decay, so its
+    optimizer step is skipped (on every rank: each sees the global row weights) and counted in
+    ``result.empty``; like a non-finite skip it neither adds stats nor advances the lr schedule.
     """
     d = dist if dist is not None else Dist()
     if plan.old_from_first and d.enabled:
         raise ValueError("a plan with old_from_first needs one process")
     n_local = batch.input_ids.shape[0]
     w_global, offset = d.gather(objective.row_weights(batch.response_mask))
+    # where each rank's rows end in the global batch: which ranks hold rows of a minibatch
+    # (for the hooks' extra loss; every rank has the same hooks)
+    ends = d.gather(torch.tensor([n_local]))[0].cumsum(0) if d.enabled and hooks.active else None
     old = (batch.old_logprobs.clone() if plan.old_from_first and plan.first_is_old
            else batch.old_logprobs)
     batch = replace(batch, old_logprobs=old)
@@ -160,14 +172,20 @@ def policy_update(model: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
     for epoch, minibatches in enumerate(plan.minibatches):
         for k, mb_idx in enumerate(minibatches):
             local, share, empty = _local_rows(mb_idx, offset, n_local, w_global, d)
+            extra_share = 0.0 if empty else _extra_share(mb_idx, ends, d)
             first = plan.old_from_first and epoch == 0 and k == 0
+            void = not float(w_global[mb_idx].sum()) > 0  # the same on every rank
             result.lrs.append(float(optimizer.param_groups[0]["lr"]))
-            stats = _step(model, optimizer, scheduler, batch, local, share, empty, first,
-                          plan.first_is_old, result, objective=objective,
+            stats = _step(model, optimizer, scheduler, batch, local, share, extra_share,
+                          empty, first, plan.first_is_old, result, objective=objective,
                           temperature=temperature, chunk=chunk, grad_clip=grad_clip,
-                          hooks=hooks, d=d, logprob_fn=logprob_fn, diagnostics=diagnostics)
+                          hooks=hooks, d=d, logprob_fn=logprob_fn, diagnostics=diagnostics,
+                          apply=not void)
             if stats is None:
                 result.skipped += 1
+                continue
+            if void:
+                result.empty += 1
                 continue
             result.stats.append(stats)
             weight = 0.0 if empty else float(w_global[local + offset].sum())
@@ -184,13 +202,18 @@ def policy_update(model: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
 
 
 def _step(model: Any, optimizer: Any, scheduler: Any, batch: UpdateBatch, local: torch.Tensor,
-          share: float, empty: bool, first: bool, first_is_old: bool, result: UpdateResult, *,
+          share: float, extra_share: float, empty: bool, first: bool, first_is_old: bool,
+          result: UpdateResult, *,
           objective: Objective, temperature: float, chunk: int, grad_clip: float,
           hooks: PolicyHooks, d: Dist, logprob_fn: Callable[..., Any],
-          diagnostics: StepDiagnostics | None = None) -> dict[str, torch.Tensor] | None:
+          diagnostics: StepDiagnostics | None = None,
+          apply: bool = True) -> dict[str, torch.Tensor] | None:
     """One minibatch: forward, loss, backward, AdamW step; its stats, or None if skipped.
     ``first``: this forward also gives the trainer's pass for these rows: their π_old
-    (``first_is_old``), else returned apart (see :class:`UpdatePlan`)."""
+    (``first_is_old``), else returned apart (see :class:`UpdatePlan`). ``share`` /
+    ``extra_share``: the multipliers of the objective's loss and of the hooks' extra loss
+    (:func:`_local_rows`, :func:`_extra_share`). ``apply=False``: no
+    optimizer or scheduler step (a minibatch without a valid row); its stats are returned."""
     mb = batch.rows(local)
     width = mb.input_ids.shape[1]
     with hooks.update_forward(model, batch.routing, local, batch.input_ids.shape[1],
@@ -212,7 +235,7 @@ def _step(model: Any, optimizer: Any, scheduler: Any, batch: UpdateBatch, local:
         grad_loss = loss * share if d.enabled else loss
         extra, extra_stats = hooks.extra_loss(model, moe_out, mb.attention_mask)
         if extra is not None:  # e.g. the router load-balancing loss, each rank's own
-            loss, grad_loss = loss + extra, grad_loss + (0.0 if empty else 1.0) * extra
+            loss, grad_loss = loss + extra, grad_loss + extra_share * extra
             stats = {**stats, **extra_stats}
         optimizer.zero_grad(set_to_none=True)
         if not _everywhere(_all_finite(loss, logprobs, mb.old_logprobs, mb.response_mask), d):
@@ -225,8 +248,9 @@ def _step(model: Any, optimizer: Any, scheduler: Any, batch: UpdateBatch, local:
     if not torch.isfinite(gnorm):
         optimizer.zero_grad(set_to_none=True)
         return None
-    optimizer.step()
-    scheduler.step()
+    if apply:
+        optimizer.step()
+        scheduler.step()
     # a stand-in row (this rank holds none of the minibatch) adds nothing to global stats
     own = torch.zeros_like(mb.response_mask) if empty else mb.response_mask
     return {**stats, **hooks.step_stats(moe_out, own,
@@ -284,6 +308,18 @@ def _local_rows(mb_idx: torch.Tensor, offset: int, n_local: int, w_global: torch
         return torch.zeros(1, dtype=torch.long), 0.0, True
     local_w = float(w_global[mine + offset].sum())
     return mine, d.world_size * local_w / max(float(w_global[mb_idx].sum()), 1.0), False
+
+
+def _extra_share(mb_idx: torch.Tensor, ends: torch.Tensor | None, d: Dist) -> float:
+    """The multiplier of the hooks' extra loss (the MoE load-balancing loss, each rank's own
+    over its rows) on a rank that holds rows of the minibatch: W / (ranks holding rows), so
+    that the gradient average over the W ranks is its mean over those ranks (a rank without
+    rows adds 0); 1 in one process and when every rank holds rows. ``ends``: where each
+    rank's rows end in the global batch."""
+    if not d.enabled or ends is None:
+        return 1.0
+    holders = torch.bucketize(mb_idx, ends, right=True).unique().numel()
+    return d.world_size / holders
 
 
 def _grad_norm(model: Any, grad_clip: float) -> torch.Tensor:

@@ -202,6 +202,60 @@ def test_one_process_dist_is_the_identity():
     assert [Dist(rank=r, world_size=3).shard(7) for r in range(3)] == [(0, 3), (3, 5), (5, 7)]
 
 
+def _aux_update(model, batch, minibatches, dist=None):
+    """SGD with momentum and weight decay, no clipping: the weights follow the gradients, and
+    a step on a zero gradient still moves them. The MoE load-balancing loss at coefficient 1."""
+    from gspo.config import MoEConfig
+    from gspo.objectives import objective_from_config
+    from gspo.trainer.moe_hooks import MoEHooks
+    from gspo.trainer.update import UpdatePlan
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
+    plan = UpdatePlan([[torch.tensor(mb) for mb in minibatches]])
+    return policy_update(model, opt, sched, batch, plan, objective=objective_from_config(
+        _objective("gspo")), temperature=1.0, chunk=7, grad_clip=0.0,
+        hooks=MoEHooks(model, MoEConfig(aux_loss_coef=1.0)), dist=dist)
+
+
+def _aux_worker(rank: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    tdist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank,
+                             world_size=WORLD, timeout=TIMEOUT)
+    model, _ = load_model("tiny:qwen3_moe", seed=0)
+    batch = _rollout_batch(model, seed=1)
+    batch.response_mask[6:] = 0.0  # rows 6, 7 (rank 1's): every response masked
+    single = copy.deepcopy(model)
+    # one process: [0, 1] only (the minibatch [6, 7] has no valid row: no step)
+    _aux_update(single, batch, [[0, 1]])
+    d = Dist(rank=rank, world_size=WORLD, strategy="ddp")
+    d.engine = wrap(model, d)
+    lo, hi = d.shard(B)
+    # rows 0, 1 are rank 0's (rank 1 runs a stand-in row); rows 6, 7 rank 1's
+    result = _aux_update(model, _rows(batch, lo * G, hi * G), [[0, 1], [6, 7]], dist=d)
+    if rank == 0:
+        want, got = single.state_dict(), model.state_dict()
+        err = max(float((got[k] - want[k]).abs().max()) for k in want)
+        (Path(out_dir) / "aux.json").write_text(json.dumps(
+            {"err": err, "empty": result.empty, "skipped": result.skipped,
+             "steps": len(result.stats)}))
+    del model
+    tdist.barrier()
+    tdist.destroy_process_group()
+
+
+def test_a_minibatch_on_one_rank_keeps_the_one_process_aux_loss_and_empty_ones_no_step(
+        tmp_path):
+    """A minibatch whose rows are all on rank 0: the load-balancing loss is rank 0's alone,
+    the one-process value, and must count fully (it was averaged with rank 1's 0: half the
+    gradient). A minibatch whose responses are all masked takes no optimizer step on any rank,
+    as in one process (SGD's momentum and weight decay moved the weights on it)."""
+    mp.spawn(_aux_worker, args=(str(tmp_path),), nprocs=WORLD, join=True)
+    r = json.loads((tmp_path / "aux.json").read_text())
+    assert r["err"] < 1e-6, r
+    assert (r["empty"], r["skipped"], r["steps"]) == (1, 0, 1)
+
+
 TRAIN_STEP = textwrap.dedent("""
     import gc, sys, torch
     from gspo.config import load_config
@@ -488,3 +542,6 @@ def test_dynamic_sampling_with_fewer_signal_groups_than_ranks_matches_one_proces
         for key in ("train/loss", "reward/mean", "reward/frac_groups_zero_std",
                     "dynamic/groups_filled", "objective/clip_frac_tokens", "train/grad_norm"):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+        for key in ("rollout/response_len_mean", "rollout/response_len_max",
+                    "rollout/truncated_frac"):  # not the stand-ins' rows (0.875 vs 0.75)
+            assert a[key] == pytest.approx(b[key], rel=1e-9), key

@@ -224,3 +224,32 @@ def test_entropy_over_no_response_tokens_is_nan_not_zero():
     out = rollout_metrics(roll, batch, entropy, torch.zeros(2), {"rollout": 1.0, "update": 1.0},
                           1, one)
     assert out["train/entropy"] == pytest.approx(2.0)
+
+
+def test_rollout_lengths_and_truncation_leave_out_stand_in_rows():
+    """Dynamic sampling's stand-in rows (torchrun) join no minibatch: the response lengths,
+    truncated fraction and update throughput describe the other rows, as one process (which
+    has no stand-ins) logs them."""
+    from types import SimpleNamespace
+
+    from gspo.rollout import Rollout
+
+    one = SimpleNamespace(enabled=False, all_reduce=lambda t, op="sum": t)
+    t = {"rollout": 1.0, "update": 1.0}
+
+    def batch(rows):
+        return {"response_mask": torch.ones(len(rows), 6), "attention_mask": torch.tensor(
+            [[1] * (1 + len(r)) + [0] * (6 - len(r)) for r in rows])}
+
+    rows = [[1, 2], [3, 4, 5], [1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6]]
+    truncated = [False, False, True, True]
+    roll = Rollout([[7]] * 4, rows, [torch.zeros(len(r)) for r in rows], truncated, 2)
+    kept = Rollout([[7]] * 2, rows[:2], [torch.zeros(len(r)) for r in rows[:2]],
+                   truncated[:2], 2)
+    got = rollout_metrics(roll, batch(rows), None, None, t, 1, one,
+                          stand_ins=torch.tensor([False, False, True, True]))
+    want = rollout_metrics(kept, batch(rows[:2]), None, None, t, 1, one)
+    sampled = "perf/rollout_tokens_per_s"  # the stand-ins were sampled: their tokens count
+    assert got.pop(sampled) == 17.0 and want.pop(sampled) == 5.0
+    assert got == pytest.approx(want)
+    assert got["rollout/truncated_frac"] == 0.0 and got["rollout/response_len_max"] == 3.0

@@ -365,7 +365,8 @@ def test_routing_change_after_update_skips_minibatches_without_a_valid_row(tmp_p
                                                                             monkeypatch):
     """Under rollout.mask_truncated a minibatch can hold only masked rows; its routing change
     is a placeholder 0, which moe/routing_change leaves out and the after-update mean must
-    too (it was averaged in)."""
+    too (it was averaged in). Such a minibatch now takes no optimizer step and returns no
+    stats (``UpdateResult.empty``); the after-update mean still covers the others only."""
     import gspo.rollout.hf_engine as engine_mod
     import gspo.trainer.trainer as trainer_mod
 
@@ -394,7 +395,8 @@ def test_routing_change_after_update_skips_minibatches_without_a_valid_row(tmp_p
         empty_after_first += len(res.stats) - 1 - len(after)
         assert row["moe/routing_change_after_update"] == pytest.approx(
             sum(after) / len(after) if after else 0.0, rel=1e-6)
-    assert empty_after_first > 0  # the case under test happened
+    assert empty_after_first == 0  # skipped minibatches return no stats
+    assert sum(res.empty for res in updates) > 0  # the case under test happened
     assert any(r["moe/routing_change_after_update"] > 0 for r in rows)  # the routers moved
 
 

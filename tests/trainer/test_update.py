@@ -203,3 +203,29 @@ def test_a_non_finite_policy_log_prob_skips_the_step_even_when_the_loss_is_finit
     assert seen == [True]  # the loss alone would not have caught it
     assert result.skipped == 1 and result.stats == []
     assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
+
+
+def test_a_minibatch_without_a_valid_row_takes_no_optimizer_step():
+    """Every response of a minibatch masked (e.g. all truncated under rollout.mask_truncated):
+    its gradient is zero, but AdamW's momentum and weight decay would still move the weights.
+    The step is skipped (counted in ``empty``, not as a fault): the weights, the lr schedule
+    and the stats are those of the update without that minibatch."""
+    def run(minibatches):
+        model, _ = build_tiny("llama")
+        batch = _batch(model)
+        batch.response_mask[3:] = 0.0
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
+        plan = UpdatePlan([[torch.tensor(mb) for mb in minibatches]])
+        result = policy_update(model, opt, sched, batch, plan,
+                               objective=_objective(len(minibatches)), temperature=1.0, chunk=5,
+                               grad_clip=1.0)
+        return model.state_dict(), opt.param_groups[0]["lr"], result
+
+    with_empty, lr, result = run([[0, 1, 2], [3, 4, 5]])
+    without, want_lr, want = run([[0, 1, 2]])
+    assert all(torch.equal(with_empty[k], without[k]) for k in without)
+    assert result.empty == 1 and result.skipped == 0 and want.empty == 0
+    assert lr == want_lr == pytest.approx(1e-3 / 2)  # the schedule advanced once
+    assert len(result.stats) == 1 and result.counts == want.counts
+    assert float(result.stats[0]["train/grad_norm"]) == float(want.stats[0]["train/grad_norm"])
