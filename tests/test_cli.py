@@ -328,6 +328,90 @@ def test_validate_checks_the_model_name_without_loading_it(capsys, tmp_path, mod
     assert needle in fail(capsys, tmp_path, f"model={model}", cmd="validate")
 
 
+@pytest.mark.parametrize("args, needle", [
+    (["reward.functions=[nope]"], "unknown reward 'nope'"),
+    (["reward.functions=[nomod:fn]"], "reward 'nomod:fn' cannot be imported"),
+    (["task.name=nope"], "task.name: unknown task 'nope'"),
+    (["rollout.max_turns=2", "rollout.env=nope"], "rollout.env: unknown environment 'nope'"),
+    (["resume=/nonexistent/run"], "resume: no complete checkpoint in /nonexistent/run"),
+    (["logging.rollout_check_every=2"], "logging.rollout_check_every=2: this run recomputes"),
+    (["model=tiny:qwen3_moe", "objective.old_logprobs=rollout",
+      "logging.rollout_check_every=2"], "(an MoE policy's routing), so it is unused"),
+    (["moe.routing_replay=r2"], "need a Mixture-of-Experts model; tiny:llama is dense"),
+    (["model=sft:llama", "moe.aux_loss_coef=0.01"], "sft:llama is dense"),
+    (["model=tiny:qwen3_moe", "compile_layers=true"], "this policy has Mixture-of-Experts"),
+    (["model=tiny:qwen3_moe", "rollout.engine=llamacpp", "moe.routing_replay=r3"],
+     "moe.routing_replay=r3 needs rollout-recorded routing"),
+    (["task.eval_size=0", "eval_every=2"], "eval_every=2: there is no held-out set"),
+    (["objective.old_logprobs=rollout", "logging.rollout_check_every=0",
+      "guard.collapse_entropy_floor=0.5"], "guard.collapse_entropy_floor=0.5: train/entropy"),
+    (["rollout.async_steps=1", "rollout.async_engines=5"],
+     "rollout.async_engines=5: each engine needs a prompt"),
+    (["lora.r=4", "lora.target_modules=[q_proj,nope_proj]"],
+     "lora: target_modules ['nope_proj'] match no module of LlamaForCausalLM"),
+    (["lora.r=4", "lora.target_modules=[lm_head]"], "whose weight LlamaForCausalLM shares"),
+])
+def test_validate_refuses_what_train_refuses_at_setup_without_loading(capsys, tmp_path, args,
+                                                                       needle):
+    """What `gspo train` refuses at setup and the config, the registries, ``resume`` and the
+    model's architecture (its config on the meta device, no weights) decide, `gspo validate`
+    refuses too, by the same check (it said "ok" to each of these, which train then refused);
+    train refuses them with the same message."""
+    assert needle in fail(capsys, tmp_path, TINY, *args, cmd="validate")
+
+
+def test_validate_says_what_it_leaves_to_train(capsys):
+    """Its last lines: what only `gspo train` checks, then "ok"; an option whose use depends
+    on the launch (vLLM at async_steps=0 runs the engine-process pipeline under torchrun
+    only) passes, with a line saying so; an MoE option on a cold start's MoE passes."""
+    assert main(["validate", TINY]) == 0
+    out = capsys.readouterr().out
+    assert out.endswith("not checked before loading: what needs the model's weights and "
+                        "tokenizer (compile_layers, matmul, reward.overlong_buffer, "
+                        "moe.router_lr_scale with lora), the task's rows, the launch (device, "
+                        "torchrun, rollout.async_address hosts, the engine's package), a "
+                        "resumed checkpoint's contents\ndefaults: ok\n"), out
+    assert main(["validate", TINY, "rollout.engine=vllm", "logging.rollout_check_every=2"]) == 0
+    out = capsys.readouterr().out
+    assert "not checked: logging.rollout_check_every=2: this run recomputes" in out
+    assert "under torchrun" in out and out.endswith("defaults: ok\n")
+    assert main(["validate", "model=sft:tiny_moe", "moe.routing_replay=r2"]) == 0
+    assert main(["validate", TINY, "rollout.async_steps=1", "logging.rollout_check_every=2",
+                 "task.eval_size=0", "eval_before=false"]) == 0
+    capsys.readouterr()
+
+
+def test_validate_resume_checks_the_runs_own_config(capsys, tmp_path):
+    """`gspo validate resume=RUN` checks RUN/config.yaml, as `gspo train resume=RUN` runs it
+    (it checked the defaults: the bundled SmolLM2, the run's model unseen)."""
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_000001").mkdir(parents=True)
+    (run / "checkpoints" / "step_000001" / "state.json").write_text("{}")
+    (run / "config.yaml").write_text(yaml.safe_dump({"model": "tiny:llama",
+                                                     "moe": {"routing_replay": "r2"}}))
+    msg = fail(capsys, tmp_path, f"resume={run}", cmd="validate")
+    assert "need a Mixture-of-Experts model; tiny:llama is dense" in msg
+    (run / "config.yaml").write_text(yaml.safe_dump({"model": "tiny:llama",
+                                                     "output_dir": str(tmp_path),
+                                                     "run_name": "run"}))
+    assert main(["validate", f"resume={run}"]) == 0
+    assert capsys.readouterr().out.endswith(f"{run / 'config.yaml'}: ok\n")
+    assert "continues the run in its own folder" in fail(
+        capsys, tmp_path, f"resume={run}", "run_name=other", cmd="validate")
+
+
+def test_validate_refuses_a_run_name_whose_folder_holds_a_run(capsys, tmp_path):
+    """A new run into a folder that holds one: train refuses it at setup, validate too."""
+    (tmp_path / "runs" / "done").mkdir(parents=True)
+    (tmp_path / "runs" / "done" / "metrics.jsonl").write_text("")
+    assert main(["validate", TINY, f"output_dir={tmp_path / 'runs'}", "run_name=done"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"gspo validate: error: run folder {tmp_path / 'runs' / 'done'} "
+                          "already holds a run"), err
+    assert main(["validate", TINY, f"output_dir={tmp_path / 'runs'}", "run_name=new"]) == 0
+    capsys.readouterr()
+
+
 def test_validate_a_compare_file_with_overrides_checks_every_arm(capsys):
     assert main(["validate", "moe/compare", "steps=2"]) == 0  # it took `base` for a config key
     assert capsys.readouterr().out.endswith(": ok\n")

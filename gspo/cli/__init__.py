@@ -241,13 +241,22 @@ def cmd_eval(argv: list[str]) -> int:
 def cmd_validate(args: list[str]) -> int:
     """Check a run config (or every arm of a ``gspo compare`` file, with the overrides as
     ``gspo compare`` applies them) as far as it goes without loading or training anything:
-    the config's fields, the options the loss takes, the model's name."""
+    the config's fields, the options the loss takes, the model's name, and the checks of
+    ``gspo train``'s setup that the model's architecture, the registries and ``resume``
+    decide (gspo.trainer.setup_checks); a last line says what only ``gspo train`` checks.
+    ``resume=RUN`` without a config file checks RUN/config.yaml, as ``gspo train`` runs it."""
     path, overrides = _split_args(args)
+    runs_own = False
+    if path is None:  # `gspo validate resume=RUN`: the run's own config, as train reads it
+        path = _resumed_run_config(overrides)
+        runs_own = path is not None
     # these load torch: only when needed; gspo.trainer registers the sft: model source
-    import gspo.trainer  # noqa: F401
+    from gspo.data import DataError
     from gspo.models import ModelError
     from gspo.models.loading import check_model
-    from gspo.objectives import objective_from_config
+    from gspo.objectives import UnknownNameError, objective_from_config
+    from gspo.rewards import RewardError, RewardSpecError
+    from gspo.trainer.setup_checks import NOT_CHECKED, check_before_loading, new_run_folder
 
     if path is not None and is_compare_file(path):
         # every arm's run config, as the file gives it and with its quick settings
@@ -258,13 +267,22 @@ def cmd_validate(args: list[str]) -> int:
                 for spec, how in specs for arm in spec.arms]
     else:
         runs = [("", load_config(path, overrides))]
+        if not runs[0][1].resume and runs[0][1].run_name:  # (compare files: finished arms)
+            new_run_folder(runs[0][1], runs[0][1].run_name)
+    notes: list[str] = []
     for where, cfg in runs:
         try:
+            _check_resume_folder(cfg, overrides, runs_own=runs_own)
             check_task_columns(cfg.task)
             objective_from_config(cfg.objective)  # the options the loss takes
             check_model(cfg.model)
-        except (ConfigError, ModelError) as e:
+            notes += [f"{where}{n}" for n in check_before_loading(cfg)]
+        except (ConfigError, ModelError, DataError, UnknownNameError, RewardError,
+                RewardSpecError, FileNotFoundError) as e:
             raise ConfigError(f"{where}{e}") from None
+    for note in dict.fromkeys(notes):
+        print(f"not checked: {note}")
+    print(NOT_CHECKED)
     print(f"{path or 'defaults'}: ok")
     return 0
 

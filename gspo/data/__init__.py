@@ -7,7 +7,7 @@ register your own with ``@TASKS.register("name")`` (a builder ``fn(cfg, seed) ->
 from gspo.data.base import DataError, DatasetTask, Example, Task
 from gspo.data.datasets import load_jsonl
 from gspo.data.prompts import format_prompt
-from gspo.data.registry import TASKS, TaskBuilder, build_task
+from gspo.data.registry import TASKS, TaskBuilder, build_task, task_builder
 from gspo.data.tasks import ArithmeticTask
 
 __all__ = [
@@ -21,4 +21,5 @@ __all__ = [
     "build_task",
     "format_prompt",
     "load_jsonl",
+    "task_builder",
 ]

@@ -64,6 +64,20 @@ def reasoning_gym_task(cfg: TaskConfig, seed: int) -> ReasoningGymTask:
     return ReasoningGymTask(cfg.subset, cfg.options, cfg.eval_size, seed)
 
 
+def task_builder(cfg: TaskConfig) -> TaskBuilder:
+    """The builder :data:`TASKS` holds for ``cfg.name``, without reading any rows (``gspo
+    validate`` checks the name with it).
+
+    Raises:
+        DataError: for a name that is not registered (the message lists the registered ones).
+    """
+    if cfg.name not in TASKS:
+        *rest, last = TASKS.names()
+        choices = f"{', '.join(rest)} or {last}" if rest else last
+        raise DataError(f"task.name: unknown task '{cfg.name}' (choose {choices})")
+    return TASKS[cfg.name]
+
+
 def build_task(cfg: TaskConfig, seed: int) -> Task:
     """Build the task named by ``cfg.name`` through :data:`TASKS`.
 
@@ -71,8 +85,4 @@ def build_task(cfg: TaskConfig, seed: int) -> Task:
         DataError: for a name that is not registered (the message lists the registered ones),
             or whatever the builder raises for bad data.
     """
-    if cfg.name not in TASKS:
-        *rest, last = TASKS.names()
-        choices = f"{', '.join(rest)} or {last}" if rest else last
-        raise DataError(f"task.name: unknown task '{cfg.name}' (choose {choices})")
-    return TASKS[cfg.name](cfg, seed)
+    return task_builder(cfg)(cfg, seed)

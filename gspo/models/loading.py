@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from gspo.models.tiny import build_tiny, tiny_names
+from gspo.models.tiny import build_tiny, byte_tokenizer, tiny_config, tiny_names
 from gspo.registry import Registry
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -39,6 +39,9 @@ class ModelError(ValueError):
 MODEL_SOURCES: Registry[Callable[[str], Path]] = Registry("model source")
 """Prefix -> ``fn(rest) -> Path``: ``model: <prefix>:<rest>`` resolves to ``fn(rest)``."""
 _SOURCE = re.compile(r"([A-Za-z][A-Za-z0-9_]*):(.*)", re.DOTALL)
+MODEL_CONFIGS: Registry[Callable[[str], Any]] = Registry("model config source")
+"""Prefix -> ``fn(rest) -> config``: the Hugging Face config of the model that
+``<prefix>:<rest>`` names, without building it (what :func:`model_skeleton` reads)."""
 
 
 def cache_dir() -> Path:
@@ -124,6 +127,34 @@ def check_model(name: str) -> None:
     source = _SOURCE.fullmatch(name)
     if source is None or source[1] not in MODEL_SOURCES:
         _model_folder(name)
+
+
+def model_skeleton(name: str) -> Any | None:
+    """The architecture of model ``name`` on the meta device: its modules and config, no
+    weights, nothing converted, trained or downloaded (``gspo validate`` runs the setup checks
+    that need the model on it: MoE or dense, its family). None for a ``<source>:`` name whose
+    source registered no config in :data:`MODEL_CONFIGS`, and for the bundled SmolLM2 before
+    its first conversion."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    source = _SOURCE.fullmatch(name)
+    if name.startswith("tiny:"):
+        config = tiny_config(name.removeprefix("tiny:"), vocab_size=len(byte_tokenizer()))
+    elif name == DEFAULT_MODEL or (source is not None and source[1] in MODEL_SOURCES):
+        folder = cache_dir() / DEFAULT_MODEL
+        if name == DEFAULT_MODEL and (folder / "config.json").is_file():
+            config = AutoConfig.from_pretrained(folder)
+        elif source is not None and source[1] in MODEL_CONFIGS:
+            try:
+                config = MODEL_CONFIGS[source[1]](source[2])
+            except ValueError as e:  # e.g. sft:<an unknown tiny name>
+                raise ModelError(f"model: {e}") from None
+        else:
+            return None
+    else:
+        config = AutoConfig.from_pretrained(_model_folder(name))
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
 
 
 def folder_identity(name: str) -> dict[str, Any]:

@@ -54,7 +54,7 @@ def apply_lora(model: Any, cfg: Any, *, adapter_dir: str | Path | None = None) -
         return PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=True)
     targets = cfg.target_modules
     if targets != ["all-linear"]:  # checked first: get_peft_model changes ``model`` in place
-        _check_targets(model, targets)
+        check_targets(model, targets)
     try:
         return get_peft_model(model, _lora_config(cfg))
     except ValueError as e:  # e.g. no module matches target_modules
@@ -77,13 +77,14 @@ def _recorded_targets(config: Any) -> tuple[list[str], list[str]]:
     return sorted(get("target_modules") or []), sorted(get("target_parameters") or [])
 
 
-def _check_targets(model: Any, targets: list[str]) -> None:
+def check_targets(model: Any, targets: list[str]) -> None:
     """Every name in ``targets`` names modules of ``model`` as PEFT matches a list (the whole
     name, or its end after a dot): PEFT refuses only a list of which *no* name matches, so a
     misspelt name beside a good one would silently adapt fewer layers. An output layer and
     input embeddings that share their weight (``tie_word_embeddings``) cannot be adapted:
     merging the adapter of one (``gspo export``, the weights sent to vLLM) would change the
-    other too, which the policy trained without. A :class:`ModelError`."""
+    other too, which the policy trained without. A :class:`ModelError`. ``gspo validate``
+    runs it on the model's architecture (:func:`gspo.models.loading.model_skeleton`)."""
     names = [n for n, _ in model.named_modules()]
     hits = lambda t: [n for n in names if n == t or n.endswith(f".{t}")]  # noqa: E731
     unmatched = [t for t in targets if not hits(t)]

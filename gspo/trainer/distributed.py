@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
-from gspo.config import ConfigError
+from gspo.config import ConfigError, DistributedConfig
 from gspo.rollout.batch import share
 from gspo.rollout.gloo_net import IFNAME, interface_towards_master
 
@@ -256,10 +257,17 @@ def prepare(cfg: Any, model: Any, ref_model: Any = None) -> Dist:
 
     Runs after the policy is final (LoRA, activation checkpointing, reference copy) and
     before the optimizer is built, because FSDP2 replaces the parameters with sharded ones.
+    In one process (no torchrun, or a world of one) a ``dist.strategy`` other than the
+    default warns: nothing is sharded or replicated then (not an error: the config a torchrun
+    job runs stays the one-process run's too, docs/scaling.md).
     """
     d = init_from_env(cfg.dist.strategy, resolve_device(cfg.device))
     if d.enabled:
         _check(cfg, d)
+    elif cfg.dist.strategy != DistributedConfig.strategy:
+        warnings.warn(f"dist.strategy={cfg.dist.strategy} applies under torchrun with more than "
+                      "one process; this is one process, which trains the whole policy "
+                      "itself (nothing is sharded)", stacklevel=2)
     if d.device.type == "cuda" and d.device.index is not None:
         torch.cuda.set_device(d.device)
     model.to(d.device)  # a no-op when the policy is already there (one process on the CPU)

@@ -27,7 +27,13 @@ import torch
 
 from gspo.config import ConfigError, SFTConfig, load_sft_config, to_dict
 from gspo.data import ArithmeticTask, DataError, Example, format_prompt
-from gspo.models.loading import MODEL_SOURCES, cache_dir, folder_identity, load_model
+from gspo.models.loading import (
+    MODEL_CONFIGS,
+    MODEL_SOURCES,
+    cache_dir,
+    folder_identity,
+    load_model,
+)
 from gspo.models.logprobs import token_logprobs
 from gspo.models.tokens import eos_ids
 from gspo.rewards import RewardScorer
@@ -206,3 +212,12 @@ def resolve_sft(name: str) -> Path:
     if any(kv.partition("=")[0].strip() == "base" for kv in overrides):
         raise ConfigError(f"sft:{name}: the base is the name before '?'; drop base=")
     return cold_start(load_sft_config(None, [f"base=tiny:{base}", *overrides]))
+
+
+@MODEL_CONFIGS.register("sft")
+def sft_model_config(name: str) -> Any:
+    """The config of ``model: sft:<name>[?...]``: its base ``tiny:<name>``'s (a cold start
+    changes the weights, not the architecture), without training or reading the cache."""
+    from gspo.models.tiny import byte_tokenizer, tiny_config
+
+    return tiny_config(name.partition("?")[0], vocab_size=len(byte_tokenizer()))

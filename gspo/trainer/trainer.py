@@ -28,8 +28,6 @@ from tqdm.auto import tqdm
 
 from gspo.config import (
     ConfigError,
-    LoggingConfig,
-    RolloutConfig,
     TrainConfig,
     check_task_columns,
     to_dict,
@@ -57,7 +55,6 @@ from gspo.objectives import ADVANTAGES, group_stats, objective_from_config
 from gspo.rewards import RewardError, RewardScorer
 from gspo.rewards.shaping import add_overlong, without_overlong
 from gspo.rollout import (
-    EngineOptions,
     Rollout,
     SamplingParams,
     build_engine,
@@ -110,6 +107,17 @@ from gspo.trainer.moe_hooks import policy_hooks
 from gspo.trainer.reliability import Reliability
 from gspo.trainer.run_logs import log_sizes, truncate_logs
 from gspo.trainer.samples import write_samples
+from gspo.trainer.setup_checks import (
+    behaviour_routing,
+    check_compile,
+    check_engine_share,
+    check_unused_options,
+    engine_options,
+    new_run_folder,
+    old_is_current,
+    recompute_old_always,
+    resume_checkpoint,
+)
 from gspo.trainer.signals import GracefulStop
 from gspo.trainer.timing import PhaseTimer, gpu_memory_metrics
 from gspo.trainer.tracking import with_trackers
@@ -336,11 +344,7 @@ class Trainer:
         engine per rank under torchrun), build the MoE hooks, then start the engine (the
         synchronous loop's: with ``rollout.async_steps > 0`` the engine process starts its own)."""
         cfg = self.cfg
-        opts = EngineOptions(dtype=cfg.dtype, precision=cfg.rollout.precision, seed=cfg.seed,
-                             record_routing=cfg.moe.routing_replay == "r3",
-                             fast_decode=cfg.rollout.fast_decode,
-                             decode_matmul=cfg.rollout.decode_matmul,
-                             memory_fraction=cfg.rollout.vllm_memory_fraction)
+        opts = engine_options(cfg)
         self.engine_opts = opts
         caps = engine_capabilities(cfg.rollout.engine, opts)
         self.hooks = policy_hooks(self.model, cfg.moe, caps, engine=cfg.rollout.engine,
@@ -372,10 +376,7 @@ class Trainer:
         if self.cfg.compile_layers and why is not None:
             raise ConfigError(f"compile_layers=true compiles the lean log-prob pass, which this "
                               f"model cannot take: {why}")
-        if self.cfg.compile_layers and self.hooks.active:
-            raise ConfigError("compile_layers=true compiles dense decoder layers; this policy "
-                              "has Mixture-of-Experts layers (their routing hooks and expert "
-                              "dispatch stay eager): set compile_layers=false")
+        check_compile(self.cfg, moe=self.hooks.active)
         if self.cfg.compile_layers and (why := compile_unsupported(self.dist.device)):
             raise ConfigError(f"compile_layers=true: {why}")
         self.logprob_fn = functools.partial(
@@ -427,10 +428,7 @@ class Trainer:
                     f"{url.hostname} is not this machine; give each rank an address on its own "
                     "machine, in rank order (with torchrun's rendezvous, machines take ranks in "
                     "the order they join: use static ranks, --node_rank)")
-        if n > 1 and cfg.rollout.prompts_per_step // world < n:
-            raise ConfigError(f"rollout.async_engines={n}: each engine needs a prompt, but a "
-                              f"trainer process has {cfg.rollout.prompts_per_step // world} "
-                              "(rollout.prompts_per_step / processes)")
+        check_engine_share(cfg, world)
         # The engine process runs the trainer's pass on the behaviour weights: π_old for
         # recompute, and for an MoE policy π_old's routing (unless π_old is the proximal policy)
         behaviour_pass = (cfg.objective.old_logprobs == "recompute"
@@ -463,16 +461,11 @@ class Trainer:
         an MoE policy sampled by an engine process (the async loop, or vLLM under torchrun)
         whose π_old is the behaviour policy (``recompute``, ``rollout``); with ``decoupled``
         π_old is this step's weights, recorded here."""
-        return (self.hooks.active and self.engine_process
-                and self.cfg.objective.old_logprobs != "decoupled")
+        return behaviour_routing(self.cfg, moe=self.hooks.active,
+                                 engine_process=self.engine_process)
 
     def _resume_checkpoint(self) -> Path | None:
-        if not self.cfg.resume:
-            return None
-        ckpt = latest_checkpoint(Path(self.cfg.resume) / "checkpoints")
-        if ckpt is None:
-            raise FileNotFoundError(f"resume: no complete checkpoint in {self.cfg.resume}")
-        return ckpt
+        return resume_checkpoint(self.cfg.resume)
 
     def _reference_model(self, *, resumed: bool) -> Any:
         """A frozen copy of the initial policy; None for a LoRA policy, whose reference is the
@@ -494,11 +487,7 @@ class Trainer:
         if cfg.resume:
             run_dir = Path(cfg.resume)
         else:
-            name = cfg.run_name or time.strftime("%Y%m%d-%H%M%S")
-            run_dir = Path(cfg.output_dir) / name
-            if (run_dir / "metrics.jsonl").exists():
-                raise FileExistsError(f"run folder {run_dir} already holds a run; "
-                                      f"pick another run_name or resume={run_dir}")
+            run_dir = new_run_folder(cfg, cfg.run_name or time.strftime("%Y%m%d-%H%M%S"))
             if self.dist.is_main:
                 run_dir.mkdir(parents=True, exist_ok=True)
         self.dist.barrier()  # every rank has checked the folder before rank 0 writes into it
@@ -783,8 +772,7 @@ class Trainer:
         ``old_logprobs=recompute`` in the synchronous loop (async: the behaviour policy's
         weights are older, and the engine process ran that pass on them), and always with
         ``decoupled`` (its proximal π_old is this step's weights; π_rollout is the behaviour)."""
-        o = self.cfg.objective.old_logprobs
-        return o == "decoupled" or (o == "recompute" and self.async_rollout is None)
+        return old_is_current(self.cfg, pipeline=self.async_rollout is not None)
 
     def _recompute_old(self) -> bool:
         """Whether this step runs the trainer's π_old pass: always for ``old_logprobs=recompute``
@@ -795,7 +783,9 @@ class Trainer:
 
     def _recompute_old_always(self) -> bool:
         """Whether every step runs the trainer's π_old pass (see :meth:`_recompute_old`)."""
-        return self._old_is_current() or (self.hooks.active and not self._behaviour_routing())
+        return recompute_old_always(self.cfg, moe=self.hooks.active,
+                                    pipeline=self.async_rollout is not None,
+                                    behaviour=self._behaviour_routing())
 
     def _measuring_step(self, step: int) -> bool:
         """Whether ``step`` runs the passes that measure the engine against the trainer (the
@@ -808,32 +798,12 @@ class Trainer:
 
     def _check_unused_options(self) -> None:
         """Options this run would not read, once the task, the policy's hooks and the loop
-        (the pipeline, not started yet, or the synchronous loop) are known."""
-        cfg = self.cfg
-        every = cfg.logging.rollout_check_every
-        if (self.async_rollout is None and every != LoggingConfig.rollout_check_every
-                and (self._old_is_current() or self.hooks.active)):
-            why = ("an MoE policy's routing" if self.hooks.active and not self._old_is_current()
-                   else f"objective.old_logprobs={cfg.objective.old_logprobs}")
-            raise ConfigError(f"logging.rollout_check_every={every}: this run recomputes π_old "
-                              f"on every step ({why}), so it is unused; it applies to "
-                              "objective.old_logprobs=rollout and to rollout.async_steps > 0")
-        floor = cfg.guard.collapse_entropy_floor
-        if floor and not (self._recompute_old_always() or every or cfg.logging.drift_every):
-            raise ConfigError(f"guard.collapse_entropy_floor={floor}: train/entropy comes from "
-                              "the trainer's π_old pass, which this run never runs "
-                              f"(objective.old_logprobs={cfg.objective.old_logprobs}, "
-                              f"rollout.async_steps={cfg.rollout.async_steps}, "
-                              "logging.rollout_check_every=0, logging.drift_every=0); set "
-                              "logging.rollout_check_every > 0")
-        if not self.task.eval_examples:
-            for key, value, default in (
-                    ("eval_every", cfg.eval_every, TrainConfig.eval_every),
-                    ("rollout.eval_max_new_tokens", cfg.rollout.eval_max_new_tokens,
-                     RolloutConfig.eval_max_new_tokens)):
-                if value != default:
-                    raise ConfigError(f"{key}={value}: there is no held-out set to evaluate "
-                                      "(task.eval_size=0, or no eval rows)")
+        (the pipeline, not started yet, or the synchronous loop) are known (``gspo validate``
+        runs the same check where the config and the model's architecture tell them)."""
+        check_unused_options(self.cfg, moe=self.hooks.active,
+                             pipeline=self.async_rollout is not None,
+                             recompute_always=self._recompute_old_always(),
+                             has_eval=bool(self.task.eval_examples))
 
     def update_batch(self, roll: Rollout, adv: torch.Tensor, plan: UpdatePlan
                      ) -> tuple[UpdateBatch, OldPolicy]:

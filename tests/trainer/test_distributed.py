@@ -8,6 +8,7 @@ import json
 import os
 import sys
 import textwrap
+import warnings
 from datetime import timedelta
 from pathlib import Path
 
@@ -17,10 +18,10 @@ import torch.distributed as tdist
 import torch.multiprocessing as mp
 from proc_session import run_session
 
-from gspo.config import ObjectiveConfig
+from gspo.config import ObjectiveConfig, TrainConfig, load_config
 from gspo.models import load_model
 from gspo.rollout import SamplingParams, generate
-from gspo.trainer.distributed import Dist, full_model_state, save_sharded, wrap
+from gspo.trainer.distributed import Dist, full_model_state, prepare, save_sharded, wrap
 from gspo.trainer.update import UpdateBatch, policy_update
 
 REPO = Path(__file__).resolve().parents[2]
@@ -545,3 +546,16 @@ def test_dynamic_sampling_with_fewer_signal_groups_than_ranks_matches_one_proces
         for key in ("rollout/response_len_mean", "rollout/response_len_max",
                     "rollout/truncated_frac"):  # not the stand-ins' rows (0.875 vs 0.75)
             assert a[key] == pytest.approx(b[key], rel=1e-9), key
+
+
+def test_a_strategy_in_one_process_warns_that_it_shards_nothing(monkeypatch):
+    """dist.strategy=fsdp2 without torchrun (or in a world of one) trains as one process:
+    a warning says so (it went by silently); the default strategy says nothing."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    model = torch.nn.Linear(2, 2)
+    with pytest.warns(UserWarning, match="dist.strategy=fsdp2 applies under torchrun"):
+        d = prepare(load_config(None, ["device=cpu", "dist.strategy=fsdp2"]), model)
+    assert not d.enabled
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not prepare(TrainConfig(device="cpu"), model).enabled
