@@ -346,7 +346,9 @@ def cmd_engine(argv: list[str]) -> int:
                    "one engine per rank")
     p.add_argument("--device", default="cpu", help="where to sample (cpu, cuda, cuda:N)")
     p.add_argument("--timeout", type=float, default=1800.0,
-                   help="seconds to wait for the trainer and for each of its messages")
+                   help="seconds to wait for the trainer to join, for a weights version a "
+                   "request names, and for the rest of each message; its next request and "
+                   "its next weights come when they come (a dead trainer fails the wait)")
     ns = p.parse_args(argv)
     if not 0 < ns.timeout < float("inf"):
         p.error(f"--timeout must be a number > 0, got {ns.timeout}")

@@ -74,19 +74,27 @@ from gspo.rollout.async_engine import (
     unpack,
 )
 from gspo.rollout.engine import EngineOptions
-from gspo.rollout.gloo_net import IFNAME, bind_source, device_at, device_towards
+from gspo.rollout.gloo_net import IFNAME, bind_source, device_at
 
 TRAINER, ENGINE = 0, 1
 STOP = -1  # a weights header that ends the engine's receiving thread
-TRAINER_BINDS = "trainer_binds"  # store key: the address the trainer's gloo device binds to
+BINDS = "binds_"  # store keys: BINDS + rank, the address that end's gloo device binds to
 JOINED = "joined_"  # store keys: JOINED + rank, while that end is there waiting or joined
 POLL_S = 0.1  # how often a waiting end looks for the other (a Ctrl-C stops it between looks)
+# The engine's wait for the trainer's next request or weights: no time limit. The trainer may
+# evaluate, update or checkpoint for longer than any --timeout; if its process dies, its
+# connections close and the wait fails at once ("Connection closed by peer").
+FOREVER = datetime.timedelta(days=3650)
 
 
-def _broadcast(group: Any, t: torch.Tensor) -> None:
-    """``t`` from the trainer to the engine over ``group`` (in place on the engine)."""
+def _broadcast(group: Any, t: torch.Tensor, timeout: datetime.timedelta | None = None
+               ) -> None:
+    """``t`` from the trainer to the engine over ``group`` (in place on the engine), within
+    ``timeout`` (None: the group's)."""
     opts = dist.BroadcastOptions()
     opts.rootRank = TRAINER
+    if timeout is not None:
+        opts.timeout = timeout
     group.broadcast([t], opts).wait()
 
 
@@ -104,9 +112,12 @@ class _Messages:
         self.pending += [(self.group.send([size], self.peer, 0), size),
                          (self.group.send([data], self.peer, 0), data)]
 
-    def recv(self) -> Any:
+    def recv(self, timeout: datetime.timedelta | None = None) -> Any:
+        """The next object; its start within ``timeout`` (None: the group's), its rest within
+        the group's."""
         size = torch.zeros(1, dtype=torch.long)
-        self.group.recv([size], self.peer, 0).wait()
+        work = self.group.recv([size], self.peer, 0)
+        work.wait() if timeout is None else work.wait(timeout)
         data = torch.empty(int(size), dtype=torch.uint8)
         self.group.recv([data], self.peer, 0).wait()
         return pickle.loads(data.numpy().tobytes())
@@ -177,31 +188,42 @@ def _await_listener(host: str, port: int, deadline: float) -> None:
     _wait_until(listening, deadline, "Connection refused")
 
 
+def _marker(path: str) -> str:
+    """The file beside the store file at ``path`` that says a pair met there (:func:`_stale`)."""
+    return path + ".met"
+
+
 def _stale(path: str) -> bool:
-    """Whether the store file at ``path`` holds the keys of a pair that met there (the
-    trainer's bind address): a pair that is gone, since the trainer removes the file once
-    both ends have built their groups (:func:`_join`). The file holds its keys as bytes."""
-    try:
-        with open(path, "rb") as f:
-            return TRAINER_BINDS.encode() in f.read()
-    except FileNotFoundError:
-        return False
+    """Whether the file address ``path`` holds the store of a pair that met there and is
+    gone: the trainer writes :func:`_marker` as the pair meets and removes it, after the
+    store file, once both ends have built their groups (:func:`_join`), so only a pair that
+    died in between leaves it. The store file's own contents (torch's format) are not read."""
+    return os.path.exists(_marker(path))
 
 
 def _clear_stale(path: str, rank: int, deadline: float) -> None:
-    """A store file left by a pair that died after it met (killed between its join and the
-    removal) holds that pair's gloo addresses: a new pair would wait for them in vain. The
+    """A store file left by a pair that died after it met (killed between its meeting and
+    the removal) holds that pair's gloo addresses: a new pair would wait for them in vain. The
     trainer, which owns the address as it owns a TCP port, removes it (saying so); an engine
     waits until its trainer has (:class:`_Alone` past ``deadline``)."""
     if rank == TRAINER:
         if _stale(path):
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(path)
-            print(f"gspo: removed {path}, the store file of an earlier trainer and engine "
-                  "that are gone", file=sys.stderr, flush=True)
+            if _remove(path):
+                print(f"gspo: removed {path}, the store file of an earlier trainer and "
+                      "engine that are gone", file=sys.stderr, flush=True)
+            _remove(_marker(path))
         return
     _wait_until(lambda: not _stale(path), deadline,
                 f"{path} is an earlier pair's store file; a trainer that starts there removes it")
+
+
+def _remove(path: str) -> bool:
+    """Remove the file at ``path``; whether there was one."""
+    try:
+        os.remove(path)
+        return True
+    except FileNotFoundError:
+        return False
 
 
 def _meet(store: Any, rank: int, deadline: float) -> None:
@@ -231,8 +253,9 @@ def _group(store: Any, name: str, rank: int, timeout: datetime.timedelta,
 def _join(address: str, rank: int, timeout_s: float) -> tuple[Any, Any]:
     """Join the world of two at ``address``: its (messages, weights) groups, on gloo devices
     bound where the other end reaches them (:func:`_device`). Waits ``timeout_s`` for the
-    other end. At a file address the trainer removes the store file once both ends have
-    built their groups, so a pair that dies later leaves none behind."""
+    other end. At a file address the trainer marks the pair's meeting beside the store file
+    (:func:`_stale`) and removes both once both ends have built their groups (or its join
+    failed after they met), so a pair that dies later leaves none behind."""
     timeout = datetime.timedelta(seconds=timeout_s)
     url = urllib.parse.urlparse(address)
     deadline = time.monotonic() + timeout_s
@@ -248,25 +271,43 @@ def _join(address: str, rank: int, timeout_s: float) -> tuple[Any, Any]:
         raise Unreachable(f"{address}: could not "
                           f"{'listen there' if rank == TRAINER else 'reach the trainer'} "
                           f"({_first(e)})") from None
+    marked = url.scheme == "file" and rank == TRAINER
+    if marked:
+        open(_marker(url.path), "w").close()
     # file://: no host in the address; this machine's own name stands for it (where it
     # resolves to loopback, as it often does, the outward address)
     host = url.hostname if url.scheme == "tcp" else socket.gethostname()
-    device = _device(store, host, rank)
     try:
+        device = _device(store, host, rank)
         groups = tuple(_group(store, name, rank, timeout, device)
                        for name in ("messages", "weights"))
         if url.scheme == "file":  # both ends have built both groups: no one reads the store
             groups[0].barrier().wait()
-            if rank == TRAINER:
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(url.path)
         return groups
     except (dist.DistError, RuntimeError) as e:
         other = "engine" if rank == TRAINER else "trainer"
+        if not _gave_address(store, 1 - rank):
+            raise Unreachable(
+                f"{address}: the {other} met this end there, then went away (stopped or "
+                f"killed) before it connected") from None
         raise Unreachable(
             f"{address}: met the {other} there, but gloo could not connect to the address it "
             f"gave ({_first(e)}); set {IFNAME} to the network interface each end reaches the "
             "other through") from None
+    finally:
+        if marked:  # the store file first: a marker alone is removed without a word
+            _remove(url.path)
+            _remove(_marker(url.path))
+
+
+def _gave_address(store: Any, rank: int) -> bool:
+    """Whether end ``rank`` left its gloo address in the store (:func:`_device`), which it
+    does as it builds its groups; False also when the store is gone with the trainer that
+    served it."""
+    try:
+        return bool(store.check([f"{BINDS}{rank}"]))
+    except (dist.DistError, RuntimeError):
+        return False
 
 
 def _device(store: Any, host: str | None, rank: int) -> Any:
@@ -276,19 +317,23 @@ def _device(store: Any, host: str | None, rank: int) -> Any:
     at a TCP address is the trainer's own machine, and at a file address is this machine by
     its own name; where that name resolves to loopback, its outward address
     (:func:`gspo.rollout.gloo_net.bind_source`). It leaves that address in the store, and the
-    engine binds to its own address on the route to it. So both ends bind in one address
-    family, which gloo needs (an engine that resolved the trainer's name to IPv6 while the
-    trainer bound IPv4 could not connect). Where ``GLOO_SOCKET_IFNAME`` names one interface
-    (set by the user, or by a torchrun trainer for its world), each end binds to an address
-    of that interface, the engine in the family of the trainer's. When the trainer binds
+    engine binds to its own address on the route to it and leaves that in the store too (an
+    engine whose address never came went away before it connected, :func:`_join`). So both
+    ends bind in one address family, which gloo needs (an engine that resolved the trainer's
+    name to IPv6 while the trainer bound IPv4 could not connect). Where
+    ``GLOO_SOCKET_IFNAME`` names one interface (set by the user, or by a torchrun trainer for
+    its world), each end binds to an address of that interface, the engine in the family of
+    the trainer's. When the trainer binds
     nowhere in particular (a list of interfaces, or no address found), the engine binds
     towards ``host`` itself."""
     if rank == TRAINER:
         source = bind_source(host) if host else None
-        store.set(TRAINER_BINDS, source or "")
+        store.set(f"{BINDS}{TRAINER}", source or "")
         return device_at(source)
-    trainer = store.get(TRAINER_BINDS).decode()
-    return device_towards(trainer or host) if trainer or host else None
+    trainer = store.get(f"{BINDS}{TRAINER}").decode()
+    source = bind_source(trainer or host) if trainer or host else None
+    store.set(f"{BINDS}{ENGINE}", source or "")
+    return device_at(source)
 
 
 def _first(e: BaseException) -> str:
@@ -433,7 +478,7 @@ class _Slots:
     def _receive_versions(self) -> None:
         header = torch.zeros(2, dtype=torch.long)
         while True:
-            _broadcast(self.group, header)
+            _broadcast(self.group, header, FOREVER)  # the next publish comes when it comes
             version, whole = int(header[0]), bool(header[1])
             if version == STOP:
                 return
@@ -468,7 +513,11 @@ class _Slots:
 
 def serve(address: str, *, device: str = "cpu", timeout_s: float = 1800.0) -> None:
     """The engine's side (rank 1, ``gspo engine ADDRESS``): join the trainer at ``address``,
-    sample the batches it asks for until it closes, then return.
+    sample the batches it asks for until it closes, then return. ``timeout_s`` bounds the
+    wait for the trainer to join, for a version a request names and for the rest of each
+    message once it began; not the wait for the trainer's next request or weights
+    (:data:`FOREVER`), which may come after an evaluation, update or checkpoint of any
+    length (a trainer that dies closes its connections, and the wait fails at once).
 
     The engine runs in a thread of its own while this (the main) thread waits for it: the
     store's and gloo's waits (for a trainer to join, for its next request) run in C++ and do
@@ -497,7 +546,7 @@ def _serve(address: str, device: str, timeout_s: float) -> None:
                    setup.get("changing"))
     run_engine(setup["skeleton"], setup["entries"], slots.slots, slots.version,
                setup["tokenizer"], setup["engine"], setup["opts"], setup["threads"],
-               setup["recompute"], messages.recv,
+               setup["recompute"], lambda: messages.recv(FOREVER),
                lambda kind, payload: messages.send((kind, payload)), torch.device(device),
                setup.get("turns"), setup.get("changing"))
     messages.flush()

@@ -256,3 +256,91 @@ def test_gspo_engine_refuses_a_timeout_that_is_not_a_positive_number(capsys):
             main(["engine", "file:///tmp/gspo-no-such-store", f"--timeout={bad}"])
         assert exit_.value.code == 2
         assert "--timeout must be a number > 0" in capsys.readouterr().err
+
+
+_ENGINE_KILLED_AS_IT_JOINS = """
+import os, signal, sys
+from gspo.rollout import remote_engine
+# met the trainer at the address, then killed before it gave its gloo address
+remote_engine._device = lambda *args: os.kill(os.getpid(), signal.SIGKILL)
+print("imported", flush=True)
+remote_engine._join(sys.argv[1], 1, 60.0)
+"""
+
+
+def test_an_engine_killed_as_it_joins_is_said_to_be_gone():
+    """An engine killed in the instant after it met its trainer: the trainer said that gloo
+    could not connect to the address the engine gave (it gave none) and to set
+    GLOO_SOCKET_IFNAME. It says the engine went away."""
+    address = f"tcp://127.0.0.1:{_free_port()}"
+    engine = subprocess.Popen([sys.executable, "-c", _ENGINE_KILLED_AS_IT_JOINS, address],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert engine.stdout.readline().strip() == "imported"
+        err = _in_thread(_join, address, TRAINER, 5.0, wait_s=90)
+        assert engine.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        engine.kill()
+        engine.wait()
+    assert isinstance(err, Unreachable), err
+    assert str(err) == (f"{address}: the engine met this end there, then went away (stopped "
+                        "or killed) before it connected")
+
+
+def test_a_dead_pairs_store_file_is_told_by_its_marker_not_by_its_bytes(tmp_path, capfd):
+    """Whether a store file at a file address is a dead pair's was read from the file's
+    bytes (the key names in torch's FileStore format): a store in another format (here: the
+    dead pair's file rewritten) was taken for a live one, and the next pair failed. The
+    trainer marks a pair's meeting in a file of its own beside the store file."""
+    store = tmp_path / "store"
+    address = f"file://{store}"
+    pair = [subprocess.Popen([sys.executable, "-c", _PAIR_THAT_DIES, address, str(rank)],
+                             stdout=subprocess.PIPE, text=True) for rank in (TRAINER, ENGINE)]
+    try:
+        assert [p.stdout.readline().strip() for p in pair] == ["met", "met"]
+    finally:
+        for p in pair:
+            p.kill()
+            p.wait()
+    store.write_bytes(bytes(range(256)) * 4)  # the dead pair's store, in a format unknown here
+    err = _in_thread(_join, address, TRAINER, 3.0, wait_s=60)
+    assert isinstance(err, Unreachable) and "no engine joined" in str(err), err
+    assert f"gspo: removed {store}, the store file of an earlier" in capfd.readouterr().err
+    assert not (tmp_path / "store.met").exists()
+
+
+_PATIENT_ENGINE_PAIR_S = 3.0
+
+
+def test_a_trainer_busier_than_the_engines_timeout_keeps_its_engine(tmp_path):
+    """The engine waited for the trainer's next request and its next weights for --timeout:
+    an evaluation or an update longer than that killed a healthy pair (the engine timed out,
+    the trainer's next take failed: 'Connection closed by peer'). It waits for them as long
+    as the trainer is there; --timeout bounds its wait for the trainer to join and for each
+    message's rest."""
+    from gspo.models import load_model, token_logprobs
+    from gspo.rollout.async_engine import Recompute, Request
+    from gspo.rollout.engine import EngineOptions, SamplingParams
+    from gspo.rollout.remote_engine import RemoteEngine
+
+    address = f"file://{tmp_path}/store"
+    model, tok = load_model("tiny:llama", seed=0)
+    engine = subprocess.Popen([sys.executable, "-m", "gspo", "engine", address, "--timeout",
+                               str(_PATIENT_ENGINE_PAIR_S)], stderr=subprocess.PIPE, text=True)
+    try:
+        eng = RemoteEngine(model, tok, address=address, engine="hf", opts=EngineOptions(),
+                           steps_ahead=1, threads=1,
+                           recompute=Recompute(token_logprobs, 1.0, 8, 0), timeout_s=120)
+        try:
+            eng.submit(Request(0, 0, [[1, 2, 3]], 2, SamplingParams(4, 1.0), [5], False))
+            assert eng.take()[0] == 0
+            time.sleep(2.5 * _PATIENT_ENGINE_PAIR_S)  # a long evaluation, update, checkpoint
+            eng.publish(model, 1)
+            eng.submit(Request(1, 1, [[1, 2, 3]], 2, SamplingParams(4, 1.0), [5], False))
+            assert eng.take()[0] == 1
+        finally:
+            eng.close()
+        assert engine.wait(timeout=60) == 0, engine.stderr.read()
+    finally:
+        engine.kill()
+        engine.wait()
