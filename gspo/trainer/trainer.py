@@ -296,10 +296,16 @@ class Trainer:
                 lambda *_: self.async_rollout.poll_threads())
         total = cfg.steps * cfg.objective.num_minibatches * cfg.objective.epochs
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(cfg, total))
-        if (cfg.objective.num_minibatches == 1 and cfg.objective.epochs == 1
+        o = cfg.objective
+        if (o.num_minibatches == 1 and o.epochs == 1
                 and self._old_is_current()):  # else π_old is an older (behaviour) policy
-            warnings.warn("one minibatch and one epoch: every ratio is 1, so GSPO, GSPO-token "
-                          "and GRPO compute the same update (clipping never acts)", stacklevel=2)
+            # the three share one gradient only as per-sequence token means, Â unweighted:
+            # token sums (aggregation=token, Dr. GRPO's constant) or a behaviour correction's
+            # token-level weights set GRPO (and GSPO-token) apart
+            same = o.aggregation == "sequence" and o.correction.name == "none"
+            warnings.warn("one minibatch and one epoch: every ratio is 1, so "
+                          + ("GSPO, GSPO-token and GRPO compute the same update (clipping never "
+                             "acts)" if same else "clipping never acts"), stacklevel=2)
         self.run_dir = self._make_run_dir()
         guard_state = self._restore(resume_ckpt) if resume_ckpt is not None else None
         self._write_config()

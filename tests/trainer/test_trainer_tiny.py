@@ -72,6 +72,47 @@ def test_one_minibatch_does_not_warn_when_pi_old_is_the_samplers(tmp_path, recwa
     assert not [w for w in recwarn if "every ratio is 1" in str(w.message)]
 
 
+@pytest.mark.filterwarnings("ignore:gspo aggregation='token'")
+@pytest.mark.parametrize("extra, same", [
+    ((), True),
+    (("objective.name=grpo", "objective.aggregation=token"), False),
+    (("objective.name=grpo", "objective.aggregation=constant", "objective.norm_constant=6"),
+     False),
+    (("objective.old_logprobs=decoupled", "objective.correction.name=tis",
+      "objective.correction.cap=1.001"), False),
+])
+def test_one_minibatch_warning_claims_equal_updates_only_where_they_are(tmp_path, extra, same):
+    """At ratio 1 GSPO, GSPO-token and GRPO share a gradient as per-sequence token means;
+    token sums (aggregation=token, Dr. GRPO's constant) and a behaviour correction's token
+    weights set them apart: the one-minibatch warning says they agree only where they do
+    (each loss bound from the run's objective section, responses of 2 and 4 tokens)."""
+    import dataclasses
+
+    from gspo.objectives import objective_from_config
+
+    cfg = _cfg(tmp_path, f"w{len(extra)}", "steps=1", "objective.num_minibatches=1", *extra)
+    with pytest.warns(UserWarning, match="every ratio is 1") as record:
+        Trainer(cfg, reward_fns=[starts_with_digit]).setup()
+    text = " ".join(str(w.message) for w in record if "every ratio is 1" in str(w.message))
+    assert ("compute the same update" in text) == same, text
+    gen = torch.Generator().manual_seed(0)
+    old = -torch.rand(4, 5, generator=gen, dtype=torch.float64)
+    mask = torch.tensor([[0, 1, 1, 0, 0], [0, 1, 1, 1, 1]] * 2, dtype=torch.float64)
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5], dtype=torch.float64)
+    rollout = old + 0.01 * torch.randn(4, 5, generator=gen, dtype=torch.float64)
+    grads = {}
+    for name in ("gspo", "gspo_token", "grpo"):
+        try:
+            objective = objective_from_config(dataclasses.replace(cfg.objective, name=name))
+        except (ConfigError, ValueError):  # e.g. gspo takes no aggregation=constant
+            continue
+        logprobs = old.clone().requires_grad_(True)  # θ = θ_old: every ratio is 1
+        loss, _ = objective.loss(logprobs, old, adv, mask, rollout_logprobs=rollout)
+        (grads[name],) = torch.autograd.grad(loss, logprobs)
+    agree = len(grads) == 3 and all(torch.allclose(g, grads["gspo"]) for g in grads.values())
+    assert agree == same
+
+
 def test_logged_lr_is_the_rate_the_steps_updates_ran_at(tmp_path):
     """``train/lr``: the mean learning rate of the step's minibatch updates (warm-up and decay
     move it within a step), not the rate the scheduler holds for the next step's first one."""
