@@ -1,7 +1,7 @@
 """Reward functions: ``fn(prompts, completions, **columns) -> list[float | None]``.
 
 ``None`` (or an exception, a wrong length, a non-number) means *unscorable*: that response gets
-advantage 0, is counted in the metrics, and the run goes on.
+advantage 0, is counted in the metrics, and the run goes on. A bool scores 1.0 or 0.0.
 """
 
 from gspo.rewards.functions import (

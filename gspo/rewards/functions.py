@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import importlib
+import numbers
 import re
 import unicodedata
 from collections.abc import Callable
@@ -97,6 +98,18 @@ def extract_number(text: str) -> float | None:
     return None if number is None else float(number)  # inf past float's range, as before
 
 
+def _reference_number(ref: Any) -> Fraction | None:
+    """A reference as an exact number: a number (a numeric column) as it prints, so that
+    ``1e-05`` is 1/100000 and ``1e+16`` is 10^16 (their last numbers are -5 and 16), else the
+    last number of its text (``"#### 72"`` is 72)."""
+    if isinstance(ref, numbers.Real) and not isinstance(ref, bool):
+        try:
+            return Fraction(str(ref))
+        except (ValueError, OverflowError, ZeroDivisionError):  # inf, nan
+            return None
+    return extract_exact_number(str(ref))
+
+
 @register_reward("numeric_match")
 def numeric_match(prompts: list[str], completions: list[str], *, answer: list[str],
                   **_: Any) -> list[float | None]:
@@ -110,7 +123,7 @@ def numeric_match(prompts: list[str], completions: list[str], *, answer: list[st
     """
     out: list[float | None] = []
     for completion, ref in zip(completions, answer):
-        target = extract_exact_number(str(ref))
+        target = _reference_number(ref)
         if target is None:
             out.append(None)
             continue

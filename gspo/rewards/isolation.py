@@ -5,7 +5,9 @@ extension or calls ``os._exit`` ends the trainer, and one that hangs stays alive
 function gets one long-lived child (:mod:`gspo.rewards.reward_worker`), started on first use
 and fed one batch at a time over a socket pair. The parent waits for the answer and
 
-- past ``timeout_s`` kills the child's whole process group (``SIGKILL``): unscorable;
+- past ``timeout_s`` kills the child's whole process group (``SIGKILL``): unscorable. The
+  time a (re)started child takes to import the function (a module that loads a reward model
+  at import) is not the batch's: it has :data:`LOAD_TIMEOUT_S` of its own;
 - past ``memory_mb`` of resident memory (read from ``/proc`` every ``POLL_S``) does the same;
 - when the child dies (a signal, ``os._exit``), reports how: unscorable;
 
@@ -37,6 +39,7 @@ from typing import Any
 from gspo.rewards.functions import RewardSpecError
 
 POLL_S = 0.02  # how often the parent checks the child's memory while it waits
+LOAD_TIMEOUT_S = 600.0  # a (re)started child's import of the function, before its first batch
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
@@ -129,6 +132,7 @@ class RewardProcess:
         if self.proc is None or self.proc.poll() is not None:
             self._kill()  # reap a child that died between batches
             self._start()
+            self._receive(LOAD_TIMEOUT_S, "to load the function")  # ("loaded", _)
         assert self.conn is not None and self.proc is not None
         try:
             self.conn.send((prompts, completions, columns))
@@ -137,26 +141,33 @@ class RewardProcess:
         except Exception as e:  # columns that cannot be pickled
             raise IsolatedFailure(f"{type(e).__name__}: the batch cannot be sent to {self.name}'s "
                                   f"process ({e})") from None
+        kind, value = self._receive(timeout_s, f"on a batch of {len(completions)}",
+                                    "reward.timeout_s=")
+        if kind == "error":
+            raise IsolatedFailure(value)
+        return value
+
+    def _receive(self, timeout_s: float, doing: str, setting: str = "") -> tuple[str, Any]:
+        """The child's next message, waited for at most ``timeout_s`` (0: no limit) and within
+        the memory limit; ``doing`` and ``setting`` word the timeout's report."""
+        assert self.conn is not None and self.proc is not None
         deadline = time.monotonic() + timeout_s if timeout_s else float("inf")
         limit = self.memory_mb * 2**20
         while not self.conn.poll(POLL_S):
             if time.monotonic() > deadline:
                 self._kill()
                 raise IsolatedFailure(
-                    f"RewardTimeout: {self.name} took longer than reward.timeout_s="
-                    f"{timeout_s:g} s on a batch of {len(completions)}; its process was killed")
+                    f"RewardTimeout: {self.name} took longer than {setting}{timeout_s:g} s "
+                    f"{doing}; its process was killed")
             if limit and resident_bytes(self.proc.pid) > limit:
                 self._kill()
                 raise IsolatedFailure(
                     f"RewardMemory: {self.name} used more than reward.memory_mb="
                     f"{self.memory_mb} MiB of resident memory; its process was killed")
         try:
-            kind, value = self.conn.recv()
+            return self.conn.recv()
         except (EOFError, ConnectionResetError):
             raise self._died() from None
-        if kind == "error":
-            raise IsolatedFailure(value)
-        return value
 
     def _died(self) -> IsolatedFailure:
         proc = self.proc

@@ -8,12 +8,15 @@ and are registered in :mod:`gspo.rewards.functions` as ``math_verify``, ``boxed_
 from __future__ import annotations
 
 import ast
+import contextlib
 import functools
 import importlib.util
 import math
+import numbers
 import re
 import threading
 from collections import Counter
+from decimal import Decimal
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
@@ -190,7 +193,11 @@ def _small_enough(parsed: list[Any]) -> bool:
 
 
 def _gold_text(answer: Any) -> str:
-    """GSM8K references end in ``#### 72``: keep what follows the marker."""
+    """GSM8K references end in ``#### 72``: keep what follows the marker. A number (a numeric
+    column) is written out in full: ``str(0.00001)`` is ``1e-05``, which reads as e - 5."""
+    if isinstance(answer, numbers.Real) and not isinstance(answer, bool):
+        with contextlib.suppress(ArithmeticError, ValueError):
+            return format(Decimal(str(answer)), "f")
     text = str(answer)
     return text.rsplit("####", 1)[1].strip() if "####" in text else text.strip()
 

@@ -2,7 +2,8 @@
 
 Started by :class:`gspo.rewards.isolation.RewardProcess` as
 ``python -m gspo.rewards.reward_worker FD PARENT_PID``; ``FD`` is its end of a socket pair.
-The first message names the function (see :func:`load`), every later one is a batch
+The first message names the function (see :func:`load`), answered by ``("loaded", error)``
+once it is imported (the parent's batch timeout starts after that); every later one is a batch
 ``(prompts, completions, columns)`` answered by ``("ok", values)`` or ``("error", traceback)``;
 ``None`` or the parent closing its end ends the process. Only the parent enforces limits
 (timeout, memory): this side just computes, and dies with its parent.
@@ -64,6 +65,7 @@ def serve(conn: Connection) -> None:
         return
     except BaseException:  # a reward module failing to import: every batch reports why
         load_error = traceback.format_exc(limit=5)
+    conn.send(("loaded", load_error))
     while True:
         try:
             message = conn.recv()

@@ -27,6 +27,17 @@ def _declares(fn: Any, name: str) -> bool:
     return name in params and params[name].kind is not inspect.Parameter.VAR_KEYWORD
 
 
+def _scalar(v: Any) -> Any:
+    """A zero-dimensional array or tensor (``np.bool_``, ``torch.tensor(1.0)``, what ``list``
+    of a tensor gives) as its Python value; anything else as it is."""
+    if getattr(v, "ndim", None) == 0 and callable(getattr(v, "item", None)):
+        try:
+            return v.item()
+        except Exception:  # not a number after all: unscorable below
+            return v
+    return v
+
+
 class RewardError(RuntimeError):
     """Too many responses could not be scored."""
 
@@ -43,8 +54,10 @@ class _Failed(Exception):
 class RewardScorer:
     """Weighted sum of reward functions; NaN marks a response no function could score.
 
-    A response is unscorable when any function of nonzero weight returns None for it, raises,
-    returns the wrong length, a non-numeric value or one that is not finite in float32, or (with
+    A value may be any real number: a Python or numpy number, a bool (``True`` is 1.0, as in
+    TRL), a zero-dimensional array or tensor (so a function may return a 1-D tensor). A response
+    is unscorable when any function of nonzero weight returns None for it, raises, returns the
+    wrong length, a non-numeric value or one that is not finite in float32, or (with
     ``timeout_s`` > 0) runs longer than ``timeout_s`` seconds on the batch. The first traceback
     of each function is kept in ``first_errors`` and ``failures`` counts unscorable responses
     per function.
@@ -112,7 +125,8 @@ class RewardScorer:
             return [math.nan] * n
         out = []
         for v in values:
-            ok = isinstance(v, numbers.Real) and not isinstance(v, bool)  # numpy scalars too
+            v = _scalar(v)
+            ok = isinstance(v, numbers.Real)  # numpy scalars too; a bool is 1.0 or 0.0
             try:
                 ok = ok and math.isfinite(v) and abs(v) <= FLOAT32_MAX
             except OverflowError:  # an int too large for a float

@@ -35,10 +35,11 @@ def overlong_reward(*, max_tokens: int, buffer_tokens: int,
     """A reward function worth ``1 + R_length``: 1 within budget, falling to 0 at ``L_max``.
 
     The +1 shift keeps full marks reachable for evaluation's accuracy (which counts responses
-    scoring the sum of the weights); it cancels in group-relative advantages, so training sees
-    exactly DAPO's penalty. Token counts come from the ``response_tokens`` column when the
-    caller passes it (exact: the sampled ids); otherwise the decoded text is re-encoded with
-    ``tokenizer``, which can differ from the sampled ids by a token or so at the edges.
+    scoring the sum of the positive weights); it cancels in group-relative advantages, so
+    training sees exactly DAPO's penalty. Token counts come from the ``response_tokens``
+    column when the caller passes it (exact: the sampled ids); otherwise the decoded text is
+    re-encoded with ``tokenizer``, which can differ from the sampled ids by a token or so at
+    the edges.
     """
     if not 0 < buffer_tokens <= max_tokens:
         raise ValueError(f"need 0 < buffer_tokens <= max_tokens, got {buffer_tokens}, "

@@ -21,10 +21,11 @@ def evaluate(model: Any, tokenizer: Any, examples: list[Any], scorer: Any, *,
     """Greedy responses scored by the run's reward functions (``turns``: greedy episodes of
     the run's multi-turn loop, scored on the whole transcript).
 
-    ``accuracy`` is the share of prompts given full marks (reward equal to the sum of the reward
-    weights); ``reward_mean`` the mean reward; unscorable responses count as wrong.
+    ``accuracy`` is the share of prompts given full marks (reward equal to the sum of the
+    positive reward weights: 1 from every function, 0 from every penalty, a function of negative
+    weight); ``reward_mean`` the mean reward; unscorable responses count as wrong.
     """
-    full = sum(scorer.weights)
+    full = sum(w for w in scorer.weights if w > 0)
     rewards: list[float] = []
     for start in range(0, len(examples), batch_size):
         chunk = examples[start:start + batch_size]

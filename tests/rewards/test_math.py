@@ -43,6 +43,19 @@ def test_math_verify_reads_a_bare_latex_reference(answer, right, wrong):
     assert math_verify_scores([right, wrong], [answer, answer]) == [1.0, 0.0]
 
 
+def test_math_verify_reads_a_numeric_reference_as_that_number():
+    """A number column's value: ``str(0.00001)`` is ``1e-05``, which math-verify reads as
+    e - 5 (so ``\\boxed{e-5}`` matched and the right answer did not)."""
+    pytest.importorskip("math_verify")
+    np = pytest.importorskip("numpy")
+    from gspo.rewards.math import math_verify_scores
+
+    refs = [0.00001, 0.00001, 1e16, np.float64(2.5), 7]
+    outs = ["\\boxed{0.00001}", "\\boxed{e-5}", "\\boxed{10000000000000000}", "\\boxed{5/2}",
+            "\\boxed{7}"]
+    assert math_verify_scores(outs, refs) == [1.0, 0.0, 1.0, 1.0, 1.0]
+
+
 def test_boxed_format_and_last_boxed():
     assert last_boxed("a \\boxed{1} then \\boxed{\\frac{1}{2}} end") == "\\frac{1}{2}"
     assert last_boxed("\\boxed{2} and \\boxed{3") == "2"  # unclosed last one: the one before

@@ -103,6 +103,44 @@ def test_a_failing_reward_is_unscorable_and_the_next_batch_is_scored(
     assert {p.pid for p in _children()} == before
 
 
+def test_the_import_of_a_reward_is_not_the_batch_s_time(tmp_path, monkeypatch):
+    """A module that loads a reward model at import may take longer than reward.timeout_s to
+    start (in thread mode it imports once, in setup): each (re)started child has
+    isolation.LOAD_TIMEOUT_S for that, and the batch its own timeout_s after it."""
+    from gspo.rewards import isolation
+
+    (tmp_path / "slow_import_reward.py").write_text(textwrap.dedent("""
+        import os, time
+        time.sleep(float(os.environ.get("SLOW_IMPORT_S", "2")))
+
+        def score(prompts, completions, **_):
+            return [1.0] * len(completions)
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("SLOW_IMPORT_S", "2")
+    spec = "slow_import_reward:score"
+    before = {p.pid for p in _children()}
+    scorer = _scorer(spec, timeout_s=1.0)
+    try:
+        assert _score(scorer, "ok") == _score(scorer, "ok") == [1.0] * 3
+        assert spec not in scorer.failures
+        scorer.processes.workers[spec]._kill()  # a fresh child imports again: still scored
+        assert _score(scorer, "ok") == [1.0] * 3
+        # an import that never ends is killed past LOAD_TIMEOUT_S
+        scorer.processes.workers[spec]._kill()
+        monkeypatch.setenv("SLOW_IMPORT_S", "120")
+        monkeypatch.setattr(isolation, "LOAD_TIMEOUT_S", 1.5)
+        start = time.monotonic()
+        assert all(math.isnan(v) for v in _score(scorer, "ok"))
+        assert time.monotonic() - start < 10
+        assert "RewardTimeout" in scorer.first_errors[spec]
+        assert "to load the function" in scorer.first_errors[spec]
+        assert {p.pid for p in _children()} == before
+    finally:
+        scorer.close()
+    assert {p.pid for p in _children()} == before
+
+
 def test_callables_go_by_pickle_and_unpicklable_ones_are_refused(hostile):
     import hostile_rewards
 

@@ -67,6 +67,16 @@ def test_numeric_match_non_numeric_reference_is_unscorable(answer):
     assert nm("7", answer) is None
 
 
+def test_numeric_match_numeric_reference_is_read_as_a_number():
+    """A number column's value is compared as the number it is: ``str(0.00001)`` is
+    ``1e-05``, whose last number is -5 (and ``1e16``'s is 16)."""
+    np = pytest.importorskip("numpy")
+    refs = [0.00001, 0.00001, 1e16, 1e16, np.float64(2.5e-7), np.int64(7), 0.1, math.inf]
+    outs = ["0.00001", "-5", "10000000000000000", "16", "0.00000025", "7", "0.1", "1"]
+    assert numeric_match(["p"] * 8, outs, answer=refs) == [1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0,
+                                                           None]
+
+
 def test_numeric_match_batch_and_columns():
     out = numeric_match(["a", "b", "c"], ["1", "2", "x"], answer=["1", "3", "4"], level=[1, 2, 3])
     assert out == [1.0, 0.0, 0.0]
@@ -253,7 +263,7 @@ def test_scorer_bad_values_are_nan_per_response():
         return [None, math.inf, "0.5"]
 
     def mixed2(prompts, completions, **_):
-        return [True, -math.inf, math.nan]
+        return [1 + 2j, -math.inf, math.nan]
 
     scorer = RewardScorer.from_specs([mixed, mixed2, const(2.0)])
     total, per_fn = scorer(PROMPTS, COMPLETIONS, COLUMNS)
@@ -289,6 +299,30 @@ def test_scorer_accepts_numpy_and_generators():
     assert total == [1.0, 1.0, 2.5]
 
 
+def test_scorer_scores_bools_and_zero_dimensional_tensors():
+    """A bool is 1.0 or 0.0, as in TRL (Python, numpy and torch bools alike), and a function may
+    return a tensor of one value per response; None and NaN stay unscorable."""
+    np = pytest.importorskip("numpy")
+    torch = pytest.importorskip("torch")
+
+    def bools(prompts, completions, **_):
+        return [True, False, np.bool_(True), np.bool_(False), torch.tensor(True),
+                torch.tensor(False), None, math.nan]
+
+    def tensor(prompts, completions, **_):
+        return torch.tensor([0.5] * len(completions), dtype=torch.bfloat16)
+
+    n = 8
+    scorer = RewardScorer.from_specs([bools, tensor])
+    total, per_fn = scorer(["p"] * n, ["c"] * n, {})
+    assert per_fn["bools"][:6] == [1.0, 0.0, 1.0, 0.0, 1.0, 0.0]
+    assert all(type(v) is float for v in per_fn["bools"])
+    assert nan_at(per_fn["bools"]) == [False] * 6 + [True, True]
+    assert per_fn["tensor"] == [0.5] * n
+    assert total[:6] == [1.5, 0.5, 1.5, 0.5, 1.5, 0.5] and nan_at(total)[6:] == [True, True]
+    assert scorer.failures == {"bools": 1}  # the NaN; None is a legitimate "cannot score"
+
+
 def test_scorer_huge_int_is_nan_not_crash():
     total, _ = RewardScorer.from_specs([const(10**400)])(PROMPTS, COMPLETIONS, COLUMNS)
     assert all(nan_at(total))
@@ -309,3 +343,29 @@ def test_a_function_of_weight_zero_is_logged_but_leaves_the_total_alone():
     assert per_fn["partial"][:2] == [0.25, 0.25] and nan_at(per_fn["partial"])[2]
     weighted = RewardScorer.from_specs(["numeric_match", partial], [1.0, 0.5])
     assert nan_at(weighted(PROMPTS, COMPLETIONS, COLUMNS)[0]) == [False, False, True]
+
+
+def test_eval_accuracy_full_marks_leave_out_penalties():
+    """A penalty (a function of negative weight) at its best adds 0, not its weight: with
+    weights [1, -1], full marks were a total of 0, so every wrong, unpenalised response was
+    "accurate"."""
+    from gspo.data.base import Example
+    from gspo.models.tiny import build_tiny
+    from gspo.trainer.evaluate import evaluate
+
+    model, tok = build_tiny("llama")
+    right = {"2+2?": 1.0, "3+3?": 1.0, "4+4?": 0.0, "5+5?": 0.0}
+    penalised = {"2+2?": 0.0, "3+3?": 1.0, "4+4?": 0.0, "5+5?": 1.0}
+
+    def correct(prompts, completions, **_):
+        return [right[p] for p in prompts]
+
+    def rambling(prompts, completions, **_):
+        return [penalised[p] for p in prompts]
+
+    scorer = RewardScorer.from_specs([correct, rambling], [1.0, -1.0])
+    out = evaluate(model, tok, [Example(p, "", {}) for p in right], scorer,
+                   chat_template=False, system_prompt="", max_new_tokens=2,
+                   eos=[tok.eos_token_id], pad_id=tok.pad_token_id or 0)
+    assert out["accuracy"] == 0.25  # right and not penalised: 2+2 only
+    assert out["reward_mean"] == 0.0

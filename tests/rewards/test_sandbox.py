@@ -8,13 +8,18 @@ is switched off through the private ``_execute(..., audit=False)``; those assert
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import signal
 import socket
 import stat
+import subprocess
+import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -43,8 +48,41 @@ def _sandbox_uids() -> list[int]:
     return [i.uid for i in identity._identities() if i.dedicated] if IS_ROOT else []
 
 
+# (uid, first, last clock tick) of every sandbox run of this process: a process of a sandbox
+# uid that started within one of them is this process's doing; others are another process's
+# (a trainer, a second pytest), which may be running as that uid right now.
+_RUNS: list[tuple[int, int, int]] = []
+
+
+def _ticks() -> int:
+    """Now, in the clock ticks since boot that ``/proc/PID/stat`` gives a start time in."""
+    return int(time.clock_gettime(time.CLOCK_BOOTTIME) * os.sysconf("SC_CLK_TCK"))
+
+
+@contextlib.contextmanager
+def _recorded_identity() -> Iterator[identity._Identity | None]:
+    """``identity._identity``, recording when this process held the uid (its lock)."""
+    with identity._identity() as ident:
+        first = _ticks()
+        try:
+            yield ident
+        finally:
+            if ident is not None:
+                _RUNS.append((ident.uid, first, _ticks() + 1))
+
+
+def _started_in_our_run(pid: int, uid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            started = int(f.read().rsplit(b")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return False
+    return any(u == uid and first <= started <= last for u, first, last in _RUNS)
+
+
 def _leftover_processes() -> list[str]:
-    """Live children of this test process, and any process of a dedicated sandbox uid."""
+    """Live children of this test process, and any process of a dedicated sandbox uid that
+    started during one of this process's sandbox runs."""
     found = []
     me = os.getpid()
     for entry in os.listdir("/proc"):
@@ -59,18 +97,22 @@ def _leftover_processes() -> list[str]:
         if ppid == me and state != b"Z":
             found.append(f"child {entry}")
     for uid in _sandbox_uids():
-        found += [f"uid {uid}: pid {pid}" for pid in identity._sandbox_processes(uid)]
+        found += [f"uid {uid}: pid {pid}" for pid in identity._sandbox_processes(uid)
+                  if _started_in_our_run(pid, uid)]
     return found
 
 
 def _sandbox_dirs() -> set[str]:
-    tmp = tempfile.gettempdir()
-    return {n for n in os.listdir(tmp) if n.startswith("gspo-sandbox-") and "locks" not in n}
+    """This process's sandbox work dirs (other processes may be running the sandbox too)."""
+    mine = f"{runner.WORKDIR_PREFIX}{os.getpid()}-"
+    return {n for n in os.listdir(tempfile.gettempdir()) if n.startswith(mine)}
 
 
 @pytest.fixture(autouse=True)
-def _no_side_effects():
-    """Every test: no new sandbox dir, no process left, /tmp's mode untouched."""
+def _no_side_effects(monkeypatch):
+    """Every test: no new sandbox dir, no process left, /tmp's mode untouched. Only what this
+    process made counts: another process on the machine may be using the sandbox meanwhile."""
+    monkeypatch.setattr(runner, "_identity", _recorded_identity)
     before_dirs = _sandbox_dirs()
     tmp_mode = os.stat(tempfile.gettempdir()).st_mode
     yield
@@ -151,6 +193,17 @@ def test_program_errors_score_zero_and_reward_never_raises():
     assert code_reward([], [], tests=[]) == []
     with pytest.raises(ValueError):
         run_python("", TRIVIAL, wall_timeout_s=0)
+
+
+def test_json_tests_other_than_a_list_never_pass_as_a_program():
+    """APPS/TACO store stdin/stdout cases as a JSON string ``{"inputs": ..., "outputs": ...}``:
+    run as a test program that dict literal is a no-op, so every program "passed" (1.0). It is
+    unscorable, as the same dict unencoded is; a JSON string is its program; nested brackets
+    past the JSON parser's depth do not make the reward raise."""
+    io = {"inputs": ["1 2\n"], "outputs": ["3\n"]}
+    tests = [io, json.dumps(io), "5", '"assert x == 2"', '"assert x == 1"', "[" * 100_000]
+    assert code_reward(["p"] * 6, ["x = 1"] * 6, tests=tests) == [None, None, None, 0.0, 1.0,
+                                                                   0.0]
 
 
 def test_stdlib_still_works_inside_the_sandbox():
@@ -629,6 +682,40 @@ def test_many_runs_leave_nothing_behind():
         assert r.status in STATUSES
     assert _leftover_processes() == []
     assert os.getpid() > 0 and signal.getsignal(signal.SIGTERM) is not None
+
+
+OTHER_RUN = """
+import sys
+from gspo.rewards.sandbox import run_python
+r = run_python("import time\\ntime.sleep(4)", ["assert True"], wall_timeout_s=20)
+open(sys.argv[1], "w").write(r.status)
+"""
+
+
+def test_leak_checks_count_only_this_process(tmp_path):
+    """Another process using the sandbox meanwhile (a trainer, a second pytest) leaves a work
+    dir and, as root, processes of a sandbox uid while it runs: not leaks of this process."""
+    done = tmp_path / "done"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    # started through a shell that exits at once: not a child of this process
+    subprocess.run(["sh", "-c", '"$0" -c "$1" "$2" >/dev/null 2>&1 &', sys.executable,
+                    OTHER_RUN, str(done)], env=env, check=True, timeout=30)
+    tmp, mine = tempfile.gettempdir(), f"{runner.WORKDIR_PREFIX}{os.getpid()}-"
+    deadline = time.monotonic() + 60
+    while not any(n.startswith(runner.WORKDIR_PREFIX) and n[len(runner.WORKDIR_PREFIX)].isdigit()
+                  and not n.startswith(mine) for n in os.listdir(tmp)):
+        assert time.monotonic() < deadline and not done.exists(), "the other run never started"
+        time.sleep(0.05)
+    while IS_ROOT and not any(identity._sandbox_processes(uid) for uid in _sandbox_uids()):
+        assert time.monotonic() < deadline and not done.exists()
+        time.sleep(0.05)
+    assert not done.exists()  # the other run is still going
+    assert _sandbox_dirs() == set()
+    assert _leftover_processes() == []
+    while not done.exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert done.read_text() == "ok"
 
 
 def test_written_native_code_cannot_be_loaded():

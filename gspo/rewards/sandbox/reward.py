@@ -37,17 +37,18 @@ def extract_code(text: str) -> str:
 def _row_tests(tests: Any, i: int) -> list[str] | None:
     """Row ``i`` of the ``tests`` column as a list of test snippets, or None when unusable.
 
-    A string is one test program, except a JSON list of strings (how some datasets store
-    tests): run as Python, such a list literal would be a no-op that always "passes".
+    A string is one test program, except JSON (how some datasets store tests): a JSON list of
+    strings is that list, a JSON string that program, and any other JSON value (APPS's
+    ``{"inputs": [...], "outputs": [...]}`` stdin/stdout cases, a number) unusable: run as
+    Python, such a literal would be a no-op that always "passes".
     """
     try:
         row = tests[i]
     except (IndexError, KeyError, TypeError):
         return None
     if isinstance(row, str):
-        if row.lstrip().startswith("["):
-            with contextlib.suppress(ValueError):
-                row = json.loads(row)
+        with contextlib.suppress(ValueError, RecursionError):
+            row = json.loads(row)
         if isinstance(row, str):
             return [row] if row.strip() else None
     if isinstance(row, (str, bytes, Mapping)):
@@ -100,7 +101,8 @@ def code_reward(prompts: list[str], completions: list[str], *, tests: list,
     """Fraction of each row's tests passed by the code in its completion.
 
     ``tests`` is a dataset column: per row, a list of test snippets (usually ``assert``
-    statements), a JSON list of them, or one test program. Code is taken from the last
+    statements), a JSON list of them, or one test program (other JSON, such as APPS's
+    stdin/stdout cases, makes the row unscorable: None). Code is taken from the last
     ```` ```python ```` block (see :func:`extract_code`). Anything that goes wrong (no code,
     syntax error, exception, timeout, sandbox violation, ...) scores 0.0; a row without tests is
     None (unscorable). A row whose sandbox could not even be set up is None as well, so that a

@@ -25,6 +25,10 @@ from gspo.rewards.sandbox.result import SandboxResult
 # it, and it is never imported here (it only ever runs inside the child interpreter).
 _BOOTSTRAP = files(__package__).joinpath("_child.py").read_text(encoding="utf-8")
 
+# A run's throwaway directory is ``<tempdir>/gspo-sandbox-<pid>-<random>``: the pid says which
+# process made it (and lets that process check that it left none behind).
+WORKDIR_PREFIX = "gspo-sandbox-"
+
 
 def _normalize_tests(tests: str | Sequence[str]) -> list[str]:
     if isinstance(tests, str):
@@ -55,7 +59,7 @@ def _execute(code: str, tests: str | Sequence[str], limits: _Limits, *,
 def _execute_as(ident: _Identity | None, code: str, tests: list[str], limits: _Limits,
                 audit: bool, t0: float) -> SandboxResult:
     nonce = secrets.token_hex(16)
-    workdir = tempfile.mkdtemp(prefix="gspo-sandbox-")
+    workdir = tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{os.getpid()}-")
     proc: subprocess.Popen | None = None
     result_r = -1
     try:
