@@ -23,6 +23,13 @@ import yaml
 from gspo import presets
 
 
+class MissingPackage(ImportError):
+    """An optional package a setting needs is not installed; its message is one line naming
+    the setting and what to install (``gspo`` prints it as a usage error, no traceback). Only
+    an absent package raises it: one that is installed but fails to import raises its own
+    error, with its traceback."""
+
+
 class ConfigError(ValueError):
     """A configuration problem the user must fix; its message is one line naming the field."""
 

@@ -7,6 +7,7 @@ error must be raised before the model is loaded.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -102,6 +103,37 @@ def test_model_folder_without_config(capsys, tmp_path):
     folder.mkdir()
     (folder / "weights.bin").write_bytes(b"")
     assert "config.json" in fail(capsys, tmp_path, f"model={folder}")
+
+
+@pytest.mark.parametrize(("module", "args", "needle"), [
+    ("llama_cpp", ["rollout.engine=llamacpp"], "rollout.engine=llamacpp needs llama-cpp-python"),
+    ("vllm", ["rollout.engine=vllm"], "rollout.engine=vllm needs vLLM"),
+    ("vllm", ["rollout.engine=vllm", "rollout.async_steps=1"], "rollout.engine=vllm needs vLLM"),
+    ("peft", ["lora.r=4"], "lora.r > 0 needs the peft package"),
+])
+def test_an_optional_package_that_is_not_installed(capsys, tmp_path, monkeypatch, module, args,
+                                                   needle):
+    """An engine's (or LoRA's) package that is not installed: the one-line error saying what to
+    install, before the run folder is made (it was a traceback; with async_steps=1 the engine
+    process failed after the run folder's config.yaml was written)."""
+    monkeypatch.setitem(sys.modules, module, None)  # `import module` fails as if absent
+    assert needle in fail(capsys, tmp_path, TINY, *args)
+
+
+def test_a_package_that_fails_to_import_keeps_its_traceback(tmp_path, monkeypatch):
+    """Only an absent package is the one-line MissingPackage: one that is installed but whose
+    own import fails raises that failure (a real bug, not "pip install vllm")."""
+    from gspo.config import MissingPackage
+    from gspo.rollout.vllm_engine import _import_vllm
+
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "__init__.py").write_text("import gspo_no_such_dependency\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "vllm", raising=False)
+    with pytest.raises(ModuleNotFoundError, match="gspo_no_such_dependency") as e:
+        _import_vllm()
+    assert not isinstance(e.value, MissingPackage)
+    monkeypatch.delitem(sys.modules, "vllm", raising=False)
 
 
 # ----------------------------------------------------------------------------- dataset errors

@@ -239,7 +239,7 @@ def seen(monkeypatch) -> list[dict[str, Any]]:
         p = next(model.parameters())
         calls.append({"dtype": p.dtype, "device": p.device, "weights": p.detach().float().sum(),
                       "threads": torch.get_num_threads(), "scorer": scorer, "n": len(examples),
-                      **kw})
+                      "prompts": [ex.prompt for ex in examples], **kw})
         return {"accuracy": 0.0, "reward_mean": 0.0, "n": float(len(examples))}
 
     monkeypatch.setattr(ev, "evaluate", fake)
@@ -268,6 +268,32 @@ def test_eval_honours_dtype_seed_threads_rewards_and_turns(capsys, seen):
 def test_eval_end_to_end(capsys, runs):
     assert main(["eval", "--model", str(_checkpoint(runs["full"])), *TINY]) == 0
     assert capsys.readouterr().out.strip().endswith("n 2")
+
+
+def test_eval_of_a_runs_checkpoint_holds_out_the_runs_rows(capsys, tmp_path, seen):
+    """A JSONL task's held-out rows are drawn with the seed: a checkpoint of a run is evaluated
+    with its run's config.yaml (its seed), not on rows it trained on (with task.* on the
+    command line and the default seed 0, 9 of 10 prompts of a seed=3 run were training rows);
+    a checkpoint outside its run folder is evaluated as told, with a note on the seed."""
+    from gspo.data import build_task
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"What is {i}+1?", "answer": str(i + 1)})
+                            + "\n" for i in range(50)))
+    task = ["task.name=jsonl", f"task.path={data}", "task.eval_size=10"]
+    run = _run(tmp_path / "runs", "r", "seed=3", *task)
+    trained = {ex.prompt for ex in build_task(load_config(run / "config.yaml", []).task, 3).rows}
+    capsys.readouterr()
+    for args in ([], task):
+        assert main(["eval", "--model", str(_checkpoint(run)), *args]) == 0
+        assert f"config: {run / 'config.yaml'} (the run's" in capsys.readouterr().out
+        assert seen[-1]["n"] == 10 and not trained & set(seen[-1]["prompts"])
+    copy = shutil.copytree(_checkpoint(run), tmp_path / "copy")
+    assert main(["eval", "--model", str(copy), *task]) == 0
+    assert "note: task.name=jsonl holds out rows drawn with the seed" in capsys.readouterr().out
+    assert main(["eval", "--model", str(copy), *task, "seed=3"]) == 0
+    assert "note:" not in capsys.readouterr().out
+    assert not trained & set(seen[-1]["prompts"])
 
 
 def test_eval_with_nothing_to_evaluate_is_an_error(capsys):

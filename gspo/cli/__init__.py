@@ -13,6 +13,7 @@ from gspo import presets
 from gspo.analysis.spec import is_compare_file, load_spec
 from gspo.config import (
     ConfigError,
+    MissingPackage,
     TrainConfig,
     check_engine_address,
     check_task_columns,
@@ -24,10 +25,11 @@ from gspo.config import (
 
 EXIT_USAGE = 2
 EXIT_GUARD_STOP = 3  # the run's guard stopped it (see guard.on_fault); a checkpoint was written
-# a path the user gave that is missing, taken, not a folder (or is one), or not theirs to write
+# a path the user gave that is missing, taken, not a folder (or is one), or not theirs to
+# write; an optional package a setting needs that is not installed
 USER_ERRORS: tuple[type[BaseException], ...] = (
     ConfigError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError,
-    PermissionError)
+    PermissionError, MissingPackage)
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
@@ -169,15 +171,17 @@ def _listed(keys: tuple[str, ...]) -> str:
     return ", ".join("task.*" if k == "task" else k for k in keys)
 
 
+def _eval_keys(overrides: list[str]) -> list[str]:
+    """The dotted keys the key=value ``overrides`` set."""
+    from gspo.config import parse_override
+
+    return [key for item in overrides for key in _keys_set(parse_override(item), TrainConfig)]
+
+
 def _check_eval_keys(overrides: list[str]) -> None:
     """A key=value the evaluation does not read, or ``model=`` next to --model: a
     ConfigError."""
-    from gspo.config import parse_override
-
-    keys: list[str] = []
-    for item in overrides:
-        keys += _keys_set(parse_override(item), TrainConfig)
-    for key in keys:
+    for key in _eval_keys(overrides):
         if key == "model":
             raise ConfigError("model: the model to evaluate is given by --model; drop model=")
         if not any(key == k or key.startswith(f"{k}.") for k in EVAL_KEYS):
@@ -189,16 +193,42 @@ def _check_eval_keys(overrides: list[str]) -> None:
                               "lists the keys it reads")
 
 
+def _checkpoints_run_config(model: str) -> Path | None:
+    """``RUN/config.yaml`` when ``model`` is a checkpoint a run wrote (``RUN/checkpoints/
+    step_N``) and that file exists, else None."""
+    folder = Path(model).expanduser()
+    saved = folder.parent.parent / "config.yaml"
+    return saved if folder.parent.name == "checkpoints" and saved.is_file() else None
+
+
+def _seeded_split(task: Any) -> bool:
+    """Whether the task's held-out problems are drawn with the seed (a seeded share of the
+    rows, :func:`gspo.data.base.hold_out`), not by a hash of each problem or a file of their
+    own: evaluated with another seed than its run's, a checkpoint meets rows it trained on."""
+    return ((task.name == "jsonl" and not task.eval_path)
+            or (task.name == "dataset" and not task.eval_split) or task.name == "gsm8k_mini")
+
+
 def cmd_eval(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="gspo eval", description="greedy held-out accuracy")
+    p = argparse.ArgumentParser(
+        prog="gspo eval", description="greedy held-out accuracy; a run's checkpoint "
+        "(RUN/checkpoints/step_N) is evaluated with RUN/config.yaml unless a CONFIG.yaml is "
+        "given: the run's task, held-out split (its seed), rewards and response cap")
     p.add_argument("--model", required=True, help="model folder (or smollm2-135m-instruct)")
     p.add_argument("config", nargs="*", help="optional CONFIG.yaml and key=value overrides of "
                    f"the keys evaluation reads: {_listed(EVAL_KEYS)}")
     ns = p.parse_args(argv)
     path, overrides = _split_args(ns.config)
+    if path is None and (saved := _checkpoints_run_config(ns.model)) is not None:
+        path = str(saved)
+        print(f"config: {saved} (the run's; key=value overrides apply on top)", flush=True)
     cfg = load_config(path, [*overrides, f"model={ns.model}"])
     _check_eval_keys(overrides)
     check_task_columns(cfg.task)
+    if path is None and _seeded_split(cfg.task) and "seed" not in _eval_keys(overrides):
+        print(f"note: task.name={cfg.task.name} holds out rows drawn with the seed (seed="
+              f"{cfg.seed} here); a model trained with another seed trained on some of them: "
+              "give its run's config.yaml or seed=", flush=True)
     import torch
 
     from gspo.data import build_task

@@ -11,6 +11,7 @@ from gspo.rollout.engine import (
     EngineOptions,
     RolloutEngine,
     build_engine,
+    check_engine_installed,
     engine_capabilities,
 )
 from gspo.rollout.sampler import SamplingParams, generate, greedy_generate
@@ -23,6 +24,7 @@ __all__ = [
     "RolloutEngine",
     "SamplingParams",
     "build_engine",
+    "check_engine_installed",
     "engine_capabilities",
     "generate",
     "greedy_generate",

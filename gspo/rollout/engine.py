@@ -19,7 +19,8 @@ checks the config against them without starting, say, a vLLM server) and starts 
         def declared_capabilities(opts: EngineOptions) -> EngineCapabilities: ...
         @classmethod
         def start(cls, model, tokenizer, opts: EngineOptions) -> MyEngine: ...
-        # plus the RolloutEngine methods: generate, sync_weights, close, and .capabilities
+        # plus the RolloutEngine methods: generate, sync_weights, close, and .capabilities;
+        # optionally a staticmethod check_installed() raising gspo.config.MissingPackage
 """
 
 from __future__ import annotations
@@ -101,6 +102,15 @@ ENGINES: Registry[Any] = Registry("rollout engine")  # name -> an EngineType
 def engine_capabilities(name: str, opts: EngineOptions) -> EngineCapabilities:
     """What the engine registered as ``name`` will be able to do, before it is started."""
     return ENGINES[name].declared_capabilities(opts)
+
+
+def check_engine_installed(name: str) -> None:
+    """:class:`gspo.config.MissingPackage` when the engine registered as ``name`` needs a
+    package that is not installed (an engine class that needs one says so in an optional
+    ``check_installed()``): the trainer asks before it makes the run folder."""
+    check = getattr(ENGINES[name], "check_installed", None)
+    if check is not None:
+        check()
 
 
 def build_engine(name: str, model: Any, tokenizer: Any, opts: EngineOptions) -> RolloutEngine:

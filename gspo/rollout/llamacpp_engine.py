@@ -28,6 +28,7 @@ it compiles llama.cpp, about 20 min on 2 cores).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 import tempfile
@@ -37,6 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from gspo.config import MissingPackage
 from gspo.models.tokens import eos_ids
 from gspo.rollout.batch import Rollout
 from gspo.rollout.engine import ENGINES, EngineCapabilities, EngineOptions
@@ -50,9 +52,11 @@ NO_ROUTING = "llama.cpp does not report the experts it routed to (and the engine
 def _import_llama_cpp() -> Any:
     try:
         import llama_cpp
-    except ImportError as e:
-        raise ImportError("rollout.engine=llamacpp needs llama-cpp-python "
-                          "(pip install 'gspo[llamacpp]'; it compiles llama.cpp)") from e
+    except ModuleNotFoundError as e:
+        if e.name != "llama_cpp":  # installed, but it fails to import: its own error
+            raise
+        raise MissingPackage("rollout.engine=llamacpp needs llama-cpp-python "
+                             "(pip install 'gspo[llamacpp]'; it compiles llama.cpp)") from e
     return llama_cpp
 
 
@@ -206,6 +210,12 @@ class LlamaCppEngine:
         return EngineCapabilities(returns_logprobs=True, routing_unsupported=NO_ROUTING,
                                   precision=PRECISION, shares_policy_weights=False,
                                   per_rank=False)
+
+    @staticmethod
+    def check_installed() -> None:
+        """:class:`gspo.config.MissingPackage` without llama-cpp-python (importing nothing)."""
+        if importlib.util.find_spec("llama_cpp") is None:
+            _import_llama_cpp()  # raises the error that says what to install
 
     @classmethod
     def start(cls, model: Any, tokenizer: Any, opts: EngineOptions) -> LlamaCppEngine:

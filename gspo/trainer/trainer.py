@@ -58,6 +58,7 @@ from gspo.rollout import (
     Rollout,
     SamplingParams,
     build_engine,
+    check_engine_installed,
     engine_capabilities,
     pad_batch,
 )
@@ -363,6 +364,8 @@ class Trainer:
         if self.engine_process and cfg.rollout.engine not in ("hf", "vllm"):
             raise ConfigError(f"rollout.engine={cfg.rollout.engine} runs in one process only; "
                               "use rollout.engine=hf or vllm under torchrun")
+        # its package, here and not in the engine process: before the run folder is made
+        check_engine_installed(cfg.rollout.engine)
         # engine process: it samples; here only for dynamic sampling's extra draws, which
         # sample this step's weights (see :meth:`rollout`)
         if not self.engine_process or (cfg.rollout.dynamic_sampling
