@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import importlib
+import math
 import numbers
 import re
 import unicodedata
@@ -27,13 +28,22 @@ class RewardSpecError(ValueError):
 
 # A number: an optional minus (ASCII '-', U+2212 MINUS SIGN or U+FF0D FULLWIDTH HYPHEN-MINUS),
 # then digits with optional thousands commas and decimals ("1,234.5"), or only decimals (".5", not
-# the ".5" of "1.2.5" or "...5"). \d is any Unicode decimal digit (Arabic-Indic, fullwidth, ...).
-# A comma is a thousands separator only between groups of three digits: "2,3" and "(4,5)" are
-# two numbers, not 23 and 45. A minus right after a digit is a range or a subtraction, not a
-# sign: "pages 3-4" ends with 4, "5-3" with 3.
+# the ".5" of "1.2.5" or "...5"), and an optional exponent ("1.5e3", "1e-05"). \d is any Unicode
+# decimal digit (Arabic-Indic, fullwidth, ...). A comma is a thousands separator only between
+# groups of three digits: "2,3" and "(4,5)" are two numbers, not 23 and 45. A minus right after
+# a digit is a range or a subtraction, not a sign: "pages 3-4" ends with 4, "5-3" with 3.
+# A fraction of two integers is one number: "3/4" and "-3/4" with no spaces (not "3 / 4", nor
+# "3/4.5", read as before: 3 then 4.5), and LaTeX's \frac{3}{4} (\dfrac, \tfrac; either part
+# may carry the minus).
+_MINUS = "-\u2212\uff0d"
+_INT = r"(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)"
 _NUMBER = re.compile(
-    r"(?:(?<!\d)[-\u2212\uff0d])?"
-    r"(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|(?<![\d.])\.\d+)")
+    rf"(?P<sign>(?<!\d)[{_MINUS}])?(?:"
+    rf"\\[dt]?frac\s*\{{\s*(?P<fsign>[{_MINUS}])?(?P<fnum>{_INT})\s*\}}"
+    rf"\s*\{{\s*(?P<fden>{_INT})\s*\}}"
+    rf"|(?P<num>{_INT})/(?P<den>{_INT})(?!\.\d)"
+    rf"|(?P<mant>{_INT}(?:\.\d+)?|(?<![\d.])\.\d+)(?:[eE](?P<exp>[{_MINUS}+]?\d+))?)")
+_MAX_EXPONENT_DIGITS = 4  # 10**9999 is cheap to build exactly; 10**(10**9) is not
 
 
 def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
@@ -63,45 +73,78 @@ def resolve_reward(spec: str | RewardFn) -> RewardFn:
     return REWARDS[spec]
 
 
-def _last_number_text(text: str) -> str | None:
-    """The last number in ``text`` in ASCII (``-1234.5``), or None when there is none."""
-    found = _NUMBER.findall(text.replace("{,}", ","))  # LaTeX's thousands comma, 1{,}000
-    if not found:
-        return None
+def _ascii(part: str) -> str:
+    """``part`` of a number in ASCII: any minus is ``-``, thousands commas go, digits of any
+    script become ``0-9``."""
     out = []
-    for ch in found[-1]:
-        if ch in "-\u2212\uff0d":
+    for ch in part:
+        if ch in _MINUS:
             out.append("-")
-        elif ch == ".":
-            out.append(".")
+        elif ch in ".+":
+            out.append(ch)
         elif ch != ",":
             out.append(str(unicodedata.decimal(ch)))  # \d matched: a Unicode decimal digit
     return "".join(out)
 
 
-def extract_exact_number(text: str) -> Fraction | None:
-    """The last number in ``text`` as an exact fraction (``"12.0"`` is 12, ``"0.1"`` is 1/10),
-    or None when there is none; see :func:`extract_number` for what counts as a number."""
-    number = _last_number_text(text)
-    if number is None:
+def _last_number_text(text: str) -> str | None:
+    """The last number in ``text`` in ASCII (``-1234.5``, ``3/4``, ``1.5e3``), or None when there
+    is none."""
+    matches = list(_NUMBER.finditer(text.replace("{,}", ",")))  # LaTeX's thousands comma
+    if not matches:
+        return None
+    found = matches[-1]
+    minus = "-" if found["sign"] else ""
+    if found["fnum"] is not None:  # \frac{a}{b}: a minus outside and one inside cancel
+        minus = "-" if bool(found["sign"]) != bool(found["fsign"]) else ""
+        return f"{minus}{_ascii(found['fnum'])}/{_ascii(found['fden'])}"
+    if found["num"] is not None:
+        return f"{minus}{_ascii(found['num'])}/{_ascii(found['den'])}"
+    exp = "" if found["exp"] is None else "e" + _ascii(found["exp"])
+    return f"{minus}{_ascii(found['mant'])}{exp}"
+
+
+def _exact(number: str) -> Fraction | None:
+    """``number`` (what :func:`_last_number_text` gives) as a fraction, or None: ``3/0``, an
+    exponent of more than four digits, more digits than ``int()`` converts."""
+    if "e" in number and len(number.partition("e")[2].lstrip("+-")) > _MAX_EXPONENT_DIGITS:
         return None
     try:
         return Fraction(number)
-    except (ValueError, ZeroDivisionError):  # e.g. more digits than int() converts
+    except (ValueError, ZeroDivisionError):
         return None
 
 
-def extract_number(text: str) -> float | None:
-    """The last number in ``text`` (``-12``, ``1,234``, ``3.5``, ``.5``, ``−3`` with U+2212), or
-    None when there is none. Digits of any script count (``٣``, ``７``)."""
+def extract_exact_number(text: str) -> Fraction | None:
+    """The last number in ``text`` as an exact fraction (``"12.0"`` is 12, ``"0.1"`` is 1/10,
+    ``"3/4"`` is 3/4), or None when there is none; see :func:`extract_number` for what counts as
+    a number."""
     number = _last_number_text(text)
-    return None if number is None else float(number)  # inf past float's range, as before
+    return None if number is None else _exact(number)
+
+
+def extract_number(text: str) -> float | None:
+    """The last number in ``text`` (``-12``, ``1,234``, ``3.5``, ``.5``, ``−3`` with U+2212,
+    ``1.5e3``, the fractions ``3/4`` and ``\\frac{3}{4}``), or None when there is none (or it is
+    ``x/0``). Digits of any script count (``٣``, ``７``)."""
+    number = _last_number_text(text)
+    if number is None:
+        return None
+    if "/" not in number:
+        return float(number)  # inf past float's range, as before
+    value = _exact(number)
+    if value is None:
+        return None
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
 
 
 def _reference_number(ref: Any) -> Fraction | None:
     """A reference as an exact number: a number (a numeric column) as it prints, so that
-    ``1e-05`` is 1/100000 and ``1e+16`` is 10^16 (their last numbers are -5 and 16), else the
-    last number of its text (``"#### 72"`` is 72)."""
+    ``1e-05`` is 1/100000, else the last number of its text (``"#### 72"`` is 72, ``"3/4"`` is
+    3/4, ``"1e-05"``, what a float column's answer arrives as, is 1/100000)."""
     if isinstance(ref, numbers.Real) and not isinstance(ref, bool):
         try:
             return Fraction(str(ref))
@@ -116,10 +159,13 @@ def numeric_match(prompts: list[str], completions: list[str], *, answer: list[st
     """1.0 when the last number in the response equals the reference answer exactly, else 0.0.
 
     Answer format: the response may say anything, but its final number is read as the answer
-    ("3 + 4 = 7" and "The answer is 7." both score 1). Numbers compare as exact decimals:
+    ("3 + 4 = 7" and "The answer is 7." both score 1). Numbers compare exactly, as rationals:
     ``12.0`` equals ``12``, but ``12345678902`` does not equal ``12345678901`` and ``0.5`` (also
-    written ``.5``) does not equal ``5``. A reference that is not a number makes that row
-    unscorable (None).
+    written ``.5``) does not equal ``5``. A fraction is one number in the reference and the
+    response alike: ``3/4``, ``\\frac{3}{4}`` and ``0.75`` are equal, and ``4`` does not equal
+    ``3/4`` (a mixed number ``1 1/2`` is read as ``1/2``, ``50%`` as ``50``); so is scientific
+    notation, ``1.5e3`` being 1500. A reference that is not a number makes that row unscorable
+    (None).
     """
     out: list[float | None] = []
     for completion, ref in zip(completions, answer):

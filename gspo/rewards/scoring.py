@@ -80,12 +80,29 @@ class RewardScorer:
     _running: dict[str, threading.Thread] = field(default_factory=dict, repr=False)
     processes: RewardProcesses | None = None  # reward.isolate=process: see isolate()
 
+    def __post_init__(self) -> None:
+        """One name and one finite weight per function, the names distinct: ``zip`` would
+        otherwise leave the extra functions out of the total (computed and logged, never
+        trained on), and two functions of one name would share one entry of the values."""
+        n = len(self.functions)
+        if len(self.names) != n or len(self.weights) != n:
+            raise ValueError(f"RewardScorer: {n} reward functions, {len(self.names)} names and "
+                             f"{len(self.weights)} weights; give one name and one weight per "
+                             "function")
+        if len(set(self.names)) != n:
+            raise ValueError(f"RewardScorer: reward function names must be distinct, got "
+                             f"{self.names}")
+        bad = [w for w in self.weights if not math.isfinite(w)]
+        if bad:  # NaN made every total NaN ("returned None"); inf made a 0 score NaN
+            raise ValueError(f"RewardScorer: reward weights must be finite numbers, got {bad}")
+
     @classmethod
     def from_specs(cls, specs: Sequence[Any], weights: Sequence[float] = ()) -> RewardScorer:
-        """The functions ``specs`` name, with ``weights`` (empty: all 1.0). Each is known by its
-        spec or ``__name__``; a name given twice (two lambdas, two ``functools.partial`` of one
-        function, a spec listed twice) becomes ``name_2``, ``name_3``, ...: the values, weights
-        and failures are kept per name."""
+        """The functions ``specs`` name, with ``weights`` (empty: all 1.0; otherwise one per
+        function, else a ValueError). Each is known by its spec or ``__name__``; a name given
+        twice (two lambdas, two ``functools.partial`` of one function, a spec listed twice)
+        becomes ``name_2``, ``name_3``, ...: the values, weights and failures are kept per
+        name."""
         fns = [resolve_reward(s) for s in specs]
         names: list[str] = []
         for s in specs:

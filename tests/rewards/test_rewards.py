@@ -69,12 +69,81 @@ def test_numeric_match_non_numeric_reference_is_unscorable(answer):
 
 def test_numeric_match_numeric_reference_is_read_as_a_number():
     """A number column's value is compared as the number it is: ``str(0.00001)`` is
-    ``1e-05``, whose last number is -5 (and ``1e16``'s is 16)."""
+    ``1e-05``, 1/100000, not -5 (and ``1e16`` is not 16)."""
     np = pytest.importorskip("numpy")
     refs = [0.00001, 0.00001, 1e16, 1e16, np.float64(2.5e-7), np.int64(7), 0.1, math.inf]
     outs = ["0.00001", "-5", "10000000000000000", "16", "0.00000025", "7", "0.1", "1"]
     assert numeric_match(["p"] * 8, outs, answer=refs) == [1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0,
                                                            None]
+
+
+@pytest.mark.parametrize("completion, answer, expected", [
+    # a fraction is one number: "3/4" is not 4, in the reference or the response
+    ("The answer is 4.", "3/4", 0.0),
+    ("The answer is 3/4.", "4", 0.0),
+    ("The answer is 3/4.", "3/4", 1.0),
+    ("The answer is 0.75.", "3/4", 1.0),
+    ("The answer is 3/4.", "0.75", 1.0),
+    ("6/8", "3/4", 1.0),
+    ("-3/4", "3/4", 0.0),
+    ("\u22123/4", "-3/4", 1.0),
+    ("$\\frac{3}{4}$", "4", 0.0),
+    ("$\\frac{3}{4}$", "0.75", 1.0),
+    ("\\boxed{\\dfrac{3}{4}}", "3/4", 1.0),
+    ("\\tfrac{1{,}000}{8}", "125", 1.0),
+    ("$-\\frac{3}{4}$", "-0.75", 1.0),
+    ("$\\frac{-3}{4}$", "-0.75", 1.0),
+    ("$-\\frac{-3}{4}$", "0.75", 1.0),
+    ("#### 3/4", "#### 3/4", 1.0),
+    ("1 1/2", "3/2", 0.0),  # a mixed number is not read as one
+    ("3/0", "0", 0.0),
+    # integers and decimals around a slash read as before
+    ("3 / 4", "4", 1.0),
+    ("3/4.5", "4.5", 1.0),
+    ("2.5/5", "5", 1.0),
+    ("12/31/2024", "2024", 1.0),
+])
+def test_numeric_match_reads_a_fraction_as_one_number(completion, answer, expected):
+    assert nm(completion, answer) == expected
+
+
+@pytest.mark.parametrize("completion, answer, expected", [
+    ("0.00001", "1e-05", 1.0),
+    ("-5", "1e-05", 0.0),
+    ("10000000000000000", "1e+16", 1.0),
+    ("16", "1e+16", 0.0),
+    ("1e-05", "1e-05", 1.0),
+    ("The answer is 1.5e3.", "1500", 1.0),
+    ("2.5E-7", "0.00000025", 1.0),
+])
+def test_numeric_match_reads_scientific_notation(completion, answer, expected):
+    assert nm(completion, answer) == expected
+
+
+def test_numeric_match_a_huge_exponent_is_no_number_and_costs_nothing():
+    """``Fraction("1e9999999")`` builds 10**9999999 (15 s; a digit more, minutes): a response
+    must not stall the reward, so an exponent of more than four digits is no number."""
+    import time
+
+    from gspo.rewards.functions import extract_exact_number
+
+    start = time.perf_counter()
+    assert nm("1e9999999", "1") == 0.0
+    assert nm("1e-9999999", "0") == 0.0
+    assert extract_exact_number("1e9999") == 10**9999
+    assert time.perf_counter() - start < 2.0
+
+
+def test_numeric_match_float_column_reference_arrives_as_text_and_is_read_as_a_number():
+    """A float answer column reaches the rewards as ``str(value)`` (``Example.answer`` is text):
+    ``1e-05`` must be 1/100000 there too, not its last number -5."""
+    from gspo.data.hf import records_to_examples
+
+    rows = [{"prompt": "a", "answer": 0.00001}, {"prompt": "b", "answer": 2.5e-7}]
+    answers = [ex.answer for ex in records_to_examples(rows)]
+    assert answers == ["1e-05", "2.5e-07"]
+    assert numeric_match(["a", "b"], ["0.00001", "0.00000025"], answer=answers) == [1.0, 1.0]
+    assert numeric_match(["a", "b"], ["-5", "-7"], answer=answers) == [0.0, 0.0]
 
 
 def test_numeric_match_batch_and_columns():
@@ -326,6 +395,25 @@ def test_scorer_scores_bools_and_zero_dimensional_tensors():
 def test_scorer_huge_int_is_nan_not_crash():
     total, _ = RewardScorer.from_specs([const(10**400)])(PROMPTS, COMPLETIONS, COLUMNS)
     assert all(nan_at(total))
+
+
+def test_scorer_needs_one_name_and_one_weight_per_function():
+    """Fewer weights (or names) than functions left the extra functions out of the total:
+    computed and logged, never trained on. Two functions of one name shared one entry."""
+    with pytest.raises(ValueError, match="2 reward functions, 2 names and 1 weights"):
+        RewardScorer.from_specs([const(1.0), const(10.0)], [1.0])
+    with pytest.raises(ValueError, match="1 reward functions, 1 names and 2 weights"):
+        RewardScorer.from_specs([const(1.0)], [1.0, 5.0])
+    with pytest.raises(ValueError, match="2 reward functions, 1 names and 2 weights"):
+        RewardScorer([const(1.0), const(10.0)], ["a"], [1.0, 1.0])
+    with pytest.raises(ValueError, match="names must be distinct"):
+        RewardScorer([const(1.0), const(10.0)], ["r", "r"], [1.0, 1.0])
+    for weight in (math.nan, math.inf):  # NaN: every total NaN, reported as "returned None"
+        with pytest.raises(ValueError, match="weights must be finite"):
+            RewardScorer.from_specs(["numeric_match"], [weight])
+    total, _ = RewardScorer.from_specs([const(1.0), const(10.0)], [1.0, 0.5])(
+        PROMPTS, COMPLETIONS, COLUMNS)
+    assert total == [6.0] * 3
 
 
 def test_scorer_from_specs_unknown_raises():
