@@ -209,6 +209,18 @@ time.sleep(600)
 """
 
 
+def _a_pair_meets_and_dies(address: str) -> None:
+    """A trainer and an engine meet at ``address``, then both are killed (SIGKILL)."""
+    pair = [subprocess.Popen([sys.executable, "-c", _PAIR_THAT_DIES, address, str(rank)],
+                             stdout=subprocess.PIPE, text=True) for rank in (TRAINER, ENGINE)]
+    try:
+        assert [p.stdout.readline().strip() for p in pair] == ["met", "met"]
+    finally:
+        for p in pair:
+            p.kill()
+            p.wait()
+
+
 def test_a_store_file_left_by_a_pair_that_died_does_not_stop_the_next_pair(tmp_path, capfd):
     """A pair killed after it met left its store file, with its gloo addresses, at the file
     address: the next pair there waited for them (with a 15 s timeout, 75 s) and failed with
@@ -218,14 +230,7 @@ def test_a_store_file_left_by_a_pair_that_died_does_not_stop_the_next_pair(tmp_p
 
     store = tmp_path / "store"
     address = f"file://{store}"
-    pair = [subprocess.Popen([sys.executable, "-c", _PAIR_THAT_DIES, address, str(rank)],
-                             stdout=subprocess.PIPE, text=True) for rank in (TRAINER, ENGINE)]
-    try:
-        assert [p.stdout.readline().strip() for p in pair] == ["met", "met"]
-    finally:
-        for p in pair:
-            p.kill()
-            p.wait()
+    _a_pair_meets_and_dies(address)
     assert store.exists()
     joined: dict[int, tuple] = {}
 
@@ -294,14 +299,7 @@ def test_a_dead_pairs_store_file_is_told_by_its_marker_not_by_its_bytes(tmp_path
     trainer marks a pair's meeting in a file of its own beside the store file."""
     store = tmp_path / "store"
     address = f"file://{store}"
-    pair = [subprocess.Popen([sys.executable, "-c", _PAIR_THAT_DIES, address, str(rank)],
-                             stdout=subprocess.PIPE, text=True) for rank in (TRAINER, ENGINE)]
-    try:
-        assert [p.stdout.readline().strip() for p in pair] == ["met", "met"]
-    finally:
-        for p in pair:
-            p.kill()
-            p.wait()
+    _a_pair_meets_and_dies(address)
     store.write_bytes(bytes(range(256)) * 4)  # the dead pair's store, in a format unknown here
     err = _in_thread(_join, address, TRAINER, 3.0, wait_s=60)
     assert isinstance(err, Unreachable) and "no engine joined" in str(err), err
