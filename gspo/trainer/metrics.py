@@ -205,12 +205,12 @@ def rollout_metrics(roll: Any, batch: dict[str, torch.Tensor], entropy: torch.Te
                     gap: torch.Tensor | None, t: dict[str, float], epochs: int,
                     dist: Any, sampled_tokens: float | None = None,
                     stand_ins: torch.Tensor | None = None) -> dict[str, float]:
-    """Entropy, lengths, truncation, sampler/trainer log-prob gap and throughput over the
-    global batch (sums and maxima all-reduced over ``dist``; times are this rank's). Entropy
-    and gap come from the π_old pass; on a step without one they are not logged, each apart
-    (async: the gap is the engine's against the pass on the behaviour weights, which a step
-    may lack while its pass on this step's weights gives the entropy). Entropy is
-    a mean over the tokens of ``batch["response_mask"]``: NaN (``null`` in metrics.jsonl)
+    """Entropy, response and prompt lengths, truncation, sampler/trainer log-prob gap and
+    throughput over the global batch (sums and maxima all-reduced over ``dist``; times are
+    this rank's). Entropy and gap come from the π_old pass; on a step without one they are
+    not logged, each apart (async: the gap is the engine's against the pass on the behaviour
+    weights, which a step may lack while its pass on this step's weights gives the entropy).
+    Entropy is a mean over the tokens of ``batch["response_mask"]``: NaN (``null`` in metrics.jsonl)
     when it holds none (``rollout.mask_truncated`` with every response truncated), and so is
     the gap, then measured on no token.
     ``sampled_tokens``: the global count of tokens the policy sampled in ``t["rollout"]``
@@ -221,11 +221,12 @@ def rollout_metrics(roll: Any, batch: dict[str, torch.Tensor], entropy: torch.Te
     them out, as one process, which has none, does (``response_mask`` has them masked)."""
     mask = batch["response_mask"]
     lengths = torch.tensor([len(r) for r in roll.response_ids], dtype=torch.float64)
+    prompt_lengths = torch.tensor([len(p) for p in roll.prompt_ids], dtype=torch.float64)
     cut = torch.tensor(roll.truncated, dtype=torch.float64)
     attended = batch["attention_mask"]
     if stand_ins is not None:
         keep = ~stand_ins.cpu()
-        lengths, cut = lengths[keep], cut[keep]
+        lengths, prompt_lengths, cut = lengths[keep], prompt_lengths[keep], cut[keep]
         attended = attended[keep.to(attended.device)]
     no_entropy, no_gap = entropy is None, gap is None
     if no_entropy:
@@ -234,17 +235,22 @@ def rollout_metrics(roll: Any, batch: dict[str, torch.Tensor], entropy: torch.Te
         gap = torch.zeros(1)
     sums = dist.all_reduce(torch.stack([
         (entropy * mask).sum().double().cpu(), mask.sum().double().cpu(), lengths.sum(),
-        torch.tensor(float(len(lengths)), dtype=torch.float64), cut.sum(),
+        prompt_lengths.sum(), torch.tensor(float(len(lengths)), dtype=torch.float64), cut.sum(),
         attended.sum().double().cpu(),
         torch.tensor(float(sum(policy_tokens(roll.response_ids, roll.model_mask))),
                      dtype=torch.float64)]))
-    ent, n_tok, len_sum, n_rows, truncated, n_tokens, n_policy = sums.tolist()
-    len_max, gap_max = dist.all_reduce(
-        torch.stack([lengths.max() if len(lengths) else torch.zeros((), dtype=torch.float64),
-                     gap.abs().max().double().cpu()]), "max").tolist()
+    ent, n_tok, len_sum, prompt_sum, n_rows, truncated, n_tokens, n_policy = sums.tolist()
+    none = torch.zeros((), dtype=torch.float64)  # a rank whose rows are all stand-ins
+    len_max, prompt_max, gap_max = dist.all_reduce(torch.stack([
+        lengths.max() if len(lengths) else none,
+        prompt_lengths.max() if len(prompt_lengths) else none,
+        gap.abs().max().double().cpu()]), "max").tolist()
     out = {
         "rollout/response_len_mean": len_sum / n_rows,
         "rollout/response_len_max": len_max,
+        # the prompts as the policy reads them (chat template and system prompt included)
+        "rollout/prompt_len_mean": prompt_sum / n_rows,
+        "rollout/prompt_len_max": prompt_max,
         "rollout/truncated_frac": truncated / n_rows,
         "perf/rollout_tokens_per_s": (n_policy if sampled_tokens is None else sampled_tokens)
         / max(t["rollout"], 1e-9),

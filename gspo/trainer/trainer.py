@@ -339,6 +339,10 @@ class Trainer:
                 self.ref_model = frozen(copy.deepcopy(self.model))
             load_weights(self.model, resume_ckpt)
         ensure_pad_token(self.tokenizer)  # one passed in may have none (Llama 3, Mistral base)
+        # positions the model was trained on (None: unknown); a longer context is warned of once
+        self.context_limit: int | None = getattr(self.model.config, "max_position_embeddings",
+                                                 None)
+        self._warned_context = False
         if cfg.lora.r:
             self.model = apply_lora(self.model, cfg.lora, adapter_dir=resume_ckpt)
         if cfg.disable_dropout:
@@ -656,6 +660,7 @@ class Trainer:
         task = self.cfg.task
         prompts = [format_prompt(self.tokenizer, ex.prompt, chat_template=task.chat_template,
                                  system_prompt=task.system_prompt) for ex in examples]
+        self._warn_past_context(max(map(len, prompts), default=0) + cfg.max_new_tokens)
         # Sampling is a function of (seed, step, draw, prompt index): resume is exact, and the
         # responses do not depend on how the prompts are split across ranks.
         first = draw * cfg.prompts_per_step + lo  # < 65_537 (checked by validate)
@@ -663,6 +668,21 @@ class Trainer:
                  for i in range(len(prompts))]
         params = SamplingParams(cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k)
         return Request(step, step, prompts, cfg.group_size, params, seeds, False)
+
+    def _warn_past_context(self, tokens: int) -> None:
+        """Warn once when a prompt + ``rollout.max_new_tokens`` runs past the positions the
+        model was trained on (``max_position_embeddings``): nothing truncates or drops such a
+        prompt, and a RoPE model runs there without an error, out of its trained range
+        (``rollout/prompt_len_max`` logs the longest prompt of each step)."""
+        limit = self.context_limit
+        if limit is None or tokens <= limit or self._warned_context:
+            return
+        self._warned_context = True
+        new = self.cfg.rollout.max_new_tokens
+        warnings.warn(f"rollout: a prompt + rollout.max_new_tokens={new} is {tokens} tokens, "
+                      f"past the model's max_position_embeddings={limit}: it is sampled and "
+                      "trained on as it is, beyond the positions the model was trained on "
+                      "(shorten the prompts or rollout.max_new_tokens)", stacklevel=2)
 
     def score(self, examples: list[Any], roll: Rollout) -> tuple[torch.Tensor, dict[str, float]]:
         """Rewards of the global batch (NaN: unscorable) and the per-function reward metrics."""

@@ -2,6 +2,7 @@
 
 import json
 import re
+import warnings
 
 import pytest
 import torch
@@ -541,3 +542,27 @@ def test_a_tokenizer_passed_in_without_a_pad_token_gets_its_eos(tmp_path):
     trainer = Trainer(cfg, model=model, tokenizer=tok, reward_fns=[starts_with_digit]).setup()
     assert trainer.pad_id == tok.eos_token_id
     assert trainer.train()["steps"] == 1
+
+
+def test_a_prompt_past_the_models_positions_is_warned_of_once_and_logged(tmp_path):
+    """Nothing bounds a prompt's length: one past the model's max_position_embeddings (512 for
+    tiny:llama) was sampled and trained on without a word. It still is (a RoPE model runs
+    there), but a warning says so once, and rollout/prompt_len_max logs the longest prompt."""
+    rows = tmp_path / "long.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"{i} " + "x" * 600, "answer": "1"}) + "\n"
+                            for i in range(4)))
+    t = Trainer(_cfg(tmp_path, "long", "steps=2", "eval_before=false", "task.eval_size=0",
+                     "task.name=jsonl", f"task.path={rows}", "task.chat_template=false"),
+                reward_fns=[char_codes]).setup()
+    with pytest.warns(UserWarning, match="past the model's max_position_embeddings=512") as got:
+        t.train()
+    assert sum("max_position_embeddings" in str(w.message) for w in got) == 1  # once a run
+    logged = [json.loads(x) for x in open(t.run_dir / "metrics.jsonl")]
+    assert all(row["rollout/prompt_len_max"] >= 600 for row in logged if "step" in row
+               and "rollout/prompt_len_max" in row)
+    assert any("rollout/prompt_len_max" in row for row in logged)
+    short = Trainer(_cfg(tmp_path, "short", "steps=1", "eval_before=false",
+                         "task.eval_size=0"), reward_fns=[char_codes]).setup()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        short._warn_past_context(512)  # prompt + max_new_tokens at the limit: no warning
