@@ -122,7 +122,7 @@ def collect(first: Draw, draw: Callable[[int], Draw], *, prompts_per_step: int,
     stand-ins (``DynamicBatch.stand_ins``, their indices in the batch): not a choice one
     process makes, so the trainer gives them zero loss weight and leaves them out of the
     reward metrics and ``dynamic/groups_filled``. A draw with every group kept returns its
-    own tensors unchanged.
+    own tensors unchanged (with its stand-ins, when some of its groups are).
     """
     g = first.roll.group_size
     draws, signal = [first], [signal_groups(first.rewards, g)]
@@ -154,15 +154,17 @@ def collect(first: Draw, draw: Callable[[int], Draw], *, prompts_per_step: int,
         "dynamic/sampled_reward_mean": float(sampled.nanmean()) if sampled.numel() else 0.0,
         "dynamic/zero_signal_frac_sampled": 1.0 - sum(int(s.sum()) for s in signal) / n_sampled,
     }
+    stand_ins = [chosen.index(x) for x in extra]
     if len(draws) == 1 and len(chosen) == len(signal[0]):
-        return DynamicBatch(first.examples, first.roll, first.rewards, metrics, first.parts)
+        return DynamicBatch(first.examples, first.roll, first.rewards, metrics, first.parts,
+                            stand_ins)
     rows = lambda j: list(range(j * g, (j + 1) * g))  # noqa: E731
     roll = concat_rollouts([draws[i].roll.select(rows(j)) for i, j in chosen])
     rewards = torch.cat([draws[i].rewards[j * g:(j + 1) * g] for i, j in chosen])
     parts = {k: torch.cat([draws[i].parts[k][j * g:(j + 1) * g] for i, j in chosen])
              for k in first.parts}
     return DynamicBatch([draws[i].examples[j] for i, j in chosen], roll, rewards, metrics,
-                        parts, [chosen.index(x) for x in extra])
+                        parts, stand_ins)
 
 
 def mask_truncated(response_mask: Tensor, truncated: list[bool]) -> Tensor:

@@ -717,9 +717,17 @@ class Trainer:
 
     def advantages(self, rewards: torch.Tensor, roll: Rollout) -> torch.Tensor:
         """Advantages of this rank's rows, from the global batch's rewards (this rank holds
-        its contiguous share of the batch's groups)."""
+        its contiguous share of the batch's groups). Dynamic sampling's stand-ins (torchrun)
+        get 0 and stay out of the batch statistics (``scale_rewards=batch``), as one process,
+        which has none, computes them."""
         o = self.cfg.objective
-        adv = ADVANTAGES[o.advantage](rewards, roll.group_size, scale=o.scale_rewards)
+        if self.stand_ins is None:
+            adv = ADVANTAGES[o.advantage](rewards, roll.group_size, scale=o.scale_rewards)
+        else:
+            adv = torch.zeros_like(rewards)
+            adv[~self.stand_ins] = ADVANTAGES[o.advantage](rewards[~self.stand_ins],
+                                                           roll.group_size,
+                                                           scale=o.scale_rewards)
         first = self.dist.shard(len(rewards) // roll.group_size)[0] * roll.group_size
         return adv[first:first + len(roll)].to(self.dist.device)
 
@@ -842,6 +850,11 @@ class Trainer:
                   pad_batch(roll.prompt_ids, roll.response_ids, self.pad_id,
                             roll.logprobs, roll.model_mask).items()}
         old = OldPolicy(rollout=padded["old_logprobs"])
+        # the staleness routing change: over the response tokens of the rows trained on (not
+        # dynamic sampling's stand-ins, as one process, which has none)
+        stand_ins = self._own_stand_ins(roll)
+        measured = (padded["response_mask"] if stand_ins is None
+                    else mask_truncated(padded["response_mask"], stand_ins.tolist()))
         routing = None
         if self._recompute_old():
             old.recomputed, old.entropy, routing = self.old_logprobs(
@@ -849,13 +862,13 @@ class Trainer:
         if self._behaviour_routing():  # π_old is the behaviour policy: its experts
             if routing is not None:  # this step's own choices too: how far staleness moved them
                 old.routing_metrics = staleness_routing_metrics(
-                    roll.trainer_routing, routing, padded["response_mask"], self.dist)
+                    roll.trainer_routing, routing, measured, self.dist)
             routing = roll.trainer_routing
         elif self.async_rollout is not None and routing is not None:
             # decoupled: π_old's experts are this step's own; the behaviour pass (on the
             # measuring steps) recorded the behaviour policy's, for the same measure
             old.routing_metrics = staleness_routing_metrics(
-                roll.trainer_routing, routing, padded["response_mask"], self.dist)
+                roll.trainer_routing, routing, measured, self.dist)
         own, (routing, replayed) = routing, self.hooks.rollout_routing(roll, routing, self.dist)
         old.routing_metrics.update(replayed)
         # recompute / decoupled: the trainer's π_old; rollout (§5.4): the engine's. Only a
@@ -884,8 +897,8 @@ class Trainer:
         mask = padded["response_mask"]
         if self.cfg.rollout.mask_truncated:  # zero loss weight; advantages are computed already
             mask = mask_truncated(mask, roll.truncated)
-        if self.stand_ins is not None:  # dynamic sampling's stand-in groups: zero loss weight
-            mask = mask_truncated(mask, self._own_stand_ins(roll).tolist())
+        if stand_ins is not None:  # dynamic sampling's stand-in groups: zero loss weight
+            mask = mask_truncated(mask, stand_ins.tolist())
         batch = UpdateBatch(padded["input_ids"], padded["attention_mask"], mask, pi_old, adv,
                             self.reference_logprobs(padded), routing,
                             rollout_logprobs=behaviour)
@@ -928,7 +941,11 @@ class Trainer:
             gap = ((old.recomputed - old.rollout) * mask).sum(1) / mask.sum(1).clamp(min=1)
         padded = {"response_mask": mask, "attention_mask": batch.attention_mask}
         if self.dist.enabled and roll.model_mask is not None:  # every rank's episodes
-            masks = [m for part in self.dist.gather_objects(roll.model_mask) for m in part]
+            # trained on: not dynamic sampling's stand-ins, as one process, which has none
+            own = self._own_stand_ins(roll)
+            mine = roll.model_mask if own is None else [
+                m for m, stand_in in zip(roll.model_mask, own.tolist()) if not stand_in]
+            masks = [m for part in self.dist.gather_objects(mine) for m in part]
             roll.extras.update(episode_metrics(masks))
         if self.async_rollout is not None:
             gap = None if old.behaviour is None else (  # the engine's own mismatch
@@ -1072,8 +1089,12 @@ class Trainer:
         self._sample_rows(kept, joined, got.rewards, got.parts)
         if self.async_rollout is not None:
             # rows of this step's weights joined the pipeline's: staleness over the rows kept
-            # (all ranks'; the joined rows' episode metrics, recomputed for them, stay)
-            lag = staleness_metrics(self.step, joined.versions, self.cfg.rollout.async_steps)
+            # (all ranks', not the stand-ins; the joined rows' episode metrics, recomputed for
+            # them, stay)
+            versions = joined.versions if self.stand_ins is None else [
+                v for v, stand_in in zip(joined.versions, self.stand_ins.tolist())
+                if not stand_in]
+            lag = staleness_metrics(self.step, versions, self.cfg.rollout.async_steps)
             joined.extras = {**roll.extras, **lag, **joined.extras}
         if self.dist.enabled:  # every rank chose the same groups: this rank's share of them
             g, extras = roll.group_size, joined.extras
@@ -1089,13 +1110,18 @@ class Trainer:
                      parts: dict[str, torch.Tensor]) -> None:
         """The samples file's rows of a step whose batch dynamic sampling joined from several
         draws: the groups trained on (each draw's scoring left its own rows there, so the
-        last draw's, groups that may have been dropped)."""
+        last draw's, groups that may have been dropped); not the stand-ins (torchrun), as one
+        process, which has none, writes them."""
         g = roll.group_size
+        groups = [j for j in range(len(examples))
+                  if self.stand_ins is None or not self.stand_ins[j * g]]
+        rows = [j * g + i for j in groups for i in range(g)]
         self.last_samples = (
-            [ex.prompt for ex in examples for _ in range(g)],
-            self.tokenizer.batch_decode(roll.response_ids, skip_special_tokens=True),
-            rewards.tolist(), {k: v.tolist() for k, v in parts.items()},
-            [ex.answer for ex in examples for _ in range(g)])
+            [examples[j].prompt for j in groups for _ in range(g)],
+            self.tokenizer.batch_decode([roll.response_ids[i] for i in rows],
+                                        skip_special_tokens=True),
+            rewards[rows].tolist(), {k: v[rows].tolist() for k, v in parts.items()},
+            [examples[j].answer for j in groups for _ in range(g)])
 
     def _global_draw(self, examples: list[Any], roll: Rollout, rewards: torch.Tensor,
                      parts: dict[str, torch.Tensor] | None = None) -> Draw:

@@ -548,6 +548,81 @@ def test_dynamic_sampling_with_fewer_signal_groups_than_ranks_matches_one_proces
             assert a[key] == pytest.approx(b[key], rel=1e-9), key
 
 
+STAND_IN_JOBS = textwrap.dedent("""
+    import gc, sys, torch
+    from gspo.config import load_config
+    from gspo.trainer import Trainer
+    from gspo.trainer.distributed import shutdown
+
+    def rare_signal(prompts, completions, **_):  # about one prompt in three has signal
+        return [float(len(c) % 3) if sum(map(ord, p)) % 3 == 0 else 0.0
+                for p, c in zip(prompts, completions)]
+
+    out = sys.argv[1]
+    for job in sys.argv[2:]:  # name|override,override,...: all in these processes
+        name, extra = job.split("|")
+        cfg = load_config(None, ["model=tiny:llama", f"output_dir={out}", f"run_name={name}",
+            "progress=false", "tensorboard=false", "rollout.max_new_tokens=6",
+            "rollout.group_size=4", "task.eval_size=0", "optim.lr=1e-3",
+            "objective.num_minibatches=2", "rollout.dynamic_sampling=true",
+            "rollout.dynamic_max_extra_batches=0", *extra.split(",")])
+        trainer = Trainer(cfg, reward_fns=[rare_signal]).setup()
+        metrics = []
+        for _ in range(2):
+            m = trainer.train_step()
+            metrics.append({**m, "samples": trainer.last_samples[1]})  # completions
+            trainer.step += 1
+        if trainer.dist.is_main:
+            torch.save(metrics, f"{out}/{name}.pt")
+        del trainer
+        gc.collect()
+    shutdown()
+""")
+STAND_IN_ENV = textwrap.dedent("""
+    from gspo.rollout.envs import Step
+
+    class Echo:  # observations whose length follows the response; at most 2 policy turns
+        def reset(self, prompt, **columns):
+            self.turn = 0
+
+        def step(self, response):
+            self.turn += 1
+            if self.turn >= 2 or len(response) % 2:
+                return Step(done=True)
+            return Step("ok " * (1 + len(response) % 5))
+""")
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_stand_ins_stay_out_of_episode_metrics_and_whole_first_draws(
+        tmp_path):
+    """Stand-in groups under torchrun are not trained on and not measured, as one process has
+    none: (a) multi-turn, the episode metrics gathered from every rank leave them out (before:
+    rollout/turns_mean 1.875 against 2.0); (b) prompts_per_step = 2 on 2 ranks with one group
+    of signal, where the stand-in makes the first draw's every group chosen: it still gets
+    zero loss weight (before, the step trained on it: reward/mean 0.25 against 0.5, the
+    gradient halved). The samples file's rows leave them out too."""
+    (tmp_path / "stand_in_env.py").write_text(STAND_IN_ENV)
+    jobs = {"mt": "rollout.prompts_per_step=3,rollout.max_turns=3,"
+                  "rollout.env=stand_in_env:Echo",
+            "pairs": "rollout.prompts_per_step=2"}
+    _torchrun_script(tmp_path, "stand_ins.py", STAND_IN_JOBS,
+                     *[f"{name}|{extra}" for name, extra in jobs.items()])
+    _one_process_script(tmp_path, "stand_ins.py",
+                        *[f"one-{name}|{extra}" for name, extra in jobs.items()])
+    for name, keys in (("mt", ["rollout/turns_mean", "rollout/model_tokens_mean",
+                               "rollout/observation_tokens_mean", "reward/mean"]),
+                       ("pairs", ["reward/mean", "reward/frac_groups_zero_std", "train/loss",
+                                  "train/grad_norm", "objective/clip_frac_tokens"])):
+        got, want = torch.load(tmp_path / f"{name}.pt"), torch.load(tmp_path / f"one-{name}.pt")
+        # fewer groups than ranks: the case in question ran
+        assert min(m["dynamic/groups_kept"] + m["dynamic/groups_filled"] for m in want) < 2
+        for a, b in zip(got, want):
+            for key in keys:
+                assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (name, key)
+            assert a["samples"] == b["samples"], name
+
+
 def test_a_strategy_in_one_process_warns_that_it_shards_nothing(monkeypatch):
     """dist.strategy=fsdp2 without torchrun (or in a world of one) trains as one process:
     a warning says so (it went by silently); the default strategy says nothing."""

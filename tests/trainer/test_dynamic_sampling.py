@@ -317,10 +317,32 @@ def test_each_rank_takes_its_groups_advantages_when_a_capped_batch_splits_uneven
     rewards = torch.tensor([0.0, 1.0, 3.0, 5.0])  # 2 groups kept
     want = ADVANTAGES[cfg.objective.advantage](rewards, g, scale=cfg.objective.scale_rewards)
     for rank in range(2):
-        me = SimpleNamespace(cfg=cfg, dist=Dist(rank=rank, world_size=2))
+        me = SimpleNamespace(cfg=cfg, dist=Dist(rank=rank, world_size=2), stand_ins=None)
         roll = Rollout([[1]] * g, [[2]] * g, [torch.zeros(1)] * g, [False] * g, g)
         got = Trainer.advantages(me, rewards, roll)
         assert torch.equal(got, want[rank * g:(rank + 1) * g])
+
+
+def test_stand_ins_get_zero_advantage_and_stay_out_of_the_batch_std():
+    """scale_rewards=batch on 2 ranks with a stand-in group (rank 1's): the trained group's
+    advantages are one process's, whose batch holds that group only (before, the stand-in's
+    rewards entered the batch std and rescaled them); the stand-in's are 0."""
+    from types import SimpleNamespace
+
+    from gspo.config import TrainConfig
+    from gspo.objectives import ADVANTAGES
+    from gspo.trainer.distributed import Dist
+
+    cfg = TrainConfig()
+    cfg.objective.scale_rewards, g = "batch", 2
+    rewards = torch.tensor([0.0, 1.0, 3.0, 3.0])  # group 1: rank 1's stand-in
+    want = ADVANTAGES[cfg.objective.advantage](rewards[:g], g, scale="batch")
+    stand_ins = torch.tensor([False, False, True, True])
+    roll = Rollout([[1]] * g, [[2]] * g, [torch.zeros(1)] * g, [False] * g, g)
+    got = [Trainer.advantages(SimpleNamespace(cfg=cfg, dist=Dist(rank=rank, world_size=2),
+                                              stand_ins=stand_ins), rewards, roll)
+           for rank in range(2)]
+    assert torch.allclose(got[0], want) and torch.equal(got[1], torch.zeros(g))
 
 
 def test_the_samples_file_holds_the_groups_trained_on(tmp_path):
@@ -360,3 +382,18 @@ def test_collect_tops_up_to_min_groups_with_stand_ins_it_does_not_count_as_fille
     got = collect(first, lambda d: _draw([0, 0, 1, 1, 1, 1], d), prompts_per_step=3,
                   max_extra_batches=1, min_rows=4, min_groups=2)  # the filled group suffices
     assert got.examples == ["00", "01"] and got.stand_ins == []
+
+
+def test_collect_lists_the_stand_ins_of_a_first_draw_it_keeps_whole():
+    """prompts_per_step = 2 on 2 ranks, one group with signal: the other joins only as rank
+    1's stand-in, which makes every group of the first draw chosen. The draw's own tensors are
+    kept, with that group still listed as a stand-in (before, the list was dropped, and the
+    step trained on it: reward/mean 0.25 against one process's 0.5, the loss diluted)."""
+    first = _draw([1, 0, 0, 0], 0)
+    got = collect(first, lambda d: pytest.fail("no extra draw allowed"), prompts_per_step=2,
+                  max_extra_batches=0, min_rows=2, min_groups=2)
+    assert got.roll is first.roll and got.stand_ins == [1]
+    assert got.metrics["dynamic/groups_filled"] == 0.0
+    got = collect(first, lambda d: pytest.fail("no extra draw allowed"), prompts_per_step=2,
+                  max_extra_batches=0, min_rows=2)  # one process: the signal group only
+    assert got.examples == ["00"] and got.stand_ins == []

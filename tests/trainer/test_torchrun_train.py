@@ -45,6 +45,14 @@ def half_flat(prompts, completions, **_):
 CALLS = [0]
 
 
+def late_signal(prompts, completions, **_):  # signal in a step's second draw only (odd calls)
+    CALLS[0] += 1
+    if CALLS[0] % 2:
+        return [0.0] * len(completions)
+    return [float(len(c) % 3) if sum(map(ord, p)) % 3 == 0 else 0.0
+            for p, c in zip(prompts, completions)]
+
+
 def sigterm_rank1_in_step2(prompts, completions, **_):  # rank 1 alone gets a SIGTERM
     import os
     import signal
@@ -243,6 +251,46 @@ def test_dynamic_sampling_under_torchrun_matches_one_process_and_resumes(tmp_pat
     _, resumed = _killed_and_resumed(tmp_path, two, 3, *extra)
     assert _max_diff(_weights(resumed, 4), _weights(two, 4)) == 0.0
     assert [r["train/loss"] for r in _rows(resumed)] == [r["train/loss"] for r in rows_two]
+
+
+@pytest.mark.slow
+def test_async_staleness_under_torchrun_leaves_dynamic_samplings_stand_ins_out(tmp_path):
+    """rollout.async_steps=1 with dynamic sampling on 2 ranks: a step whose one group with
+    signal comes from its extra draw (this step's weights, staleness 0) has rank 1 train on a
+    stand-in from the pipeline's batch (staleness 1). Not trained on, it stays out of
+    async/staleness_* as in one process (before: staleness_mean 0.5 against 0.0), and out of
+    scale_rewards=batch's std (before: train/grad_norm 1.07 against 1.20)."""
+    extra = ["rollout.dynamic_sampling=true", "rollout.dynamic_max_extra_batches=1",
+             "rollout.prompts_per_step=3", "reward.functions=[async_reward:late_signal]",
+             "rollout.async_steps=1", "save_every=0", "steps=4"]
+    rows_one = _rows(_train(tmp_path / "one", *extra, world=1))
+    rows_two = _rows(_train(tmp_path / "two", *extra))
+    # the case in question ran: one group kept, from the extra draw, on a step with staleness
+    assert any(r["dynamic/groups_kept"] == 1 and r["async/staleness_max"] == 0 and r["step"] > 1
+               for r in rows_one)
+    for a, b in zip(rows_one, rows_two):
+        for key in ("async/staleness_mean", "async/staleness_max", "async/staleness_frac_0",
+                    "reward/mean", "train/loss"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+
+
+@pytest.mark.slow
+def test_async_staleness_routing_change_under_torchrun_leaves_stand_ins_out(tmp_path):
+    """The MoE policy's async/staleness_{routing,expert}_change on 2 ranks: over the rows
+    trained on, not a stand-in's, as in one process (before: 0.964 against 0.958 on step 2,
+    where rank 1's stand-in group is one the step does not train on)."""
+    extra = ["rollout.dynamic_sampling=true", "rollout.dynamic_max_extra_batches=1",
+             "rollout.prompts_per_step=3", "reward.functions=[async_reward:late_signal]",
+             "rollout.async_steps=1", "save_every=0", "steps=3", "model=tiny:qwen3_moe",
+             "optim.lr=0.05", "seed=1"]
+    rows_one = _rows(_train(tmp_path / "one", *extra, world=1))
+    rows_two = _rows(_train(tmp_path / "two", *extra))
+    # the case in question ran: a stand-in on a step whose routing moved
+    assert any(r["dynamic/groups_kept"] + r["dynamic/groups_filled"] < 2
+               and r["async/staleness_routing_change"] > 0 for r in rows_one)
+    for a, b in zip(rows_one, rows_two):
+        for key in ("async/staleness_routing_change", "async/staleness_expert_change"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
 
 
 @pytest.mark.slow
