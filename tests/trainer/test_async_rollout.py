@@ -1238,14 +1238,39 @@ def test_take_says_the_trainer_waits_while_it_waits(fails):
     assert seen == [1] and int(engine.waiting) == 0
 
 
-@pytest.mark.slow
-def test_a_run_on_lent_threads_trains_to_the_same_weights(tmp_path):
-    """rollout.async_lend_threads: the trainer runs on 2 threads while the engine process
-    waits, the engine on 2 while the trainer waits (both logged), and, on this machine type's
-    kernels, the run trains to the same weights bit for bit as on their own threads."""
+def _trained_on_lent_threads(cfg):
+    """``_trained`` with rollout.async_lend_threads, each side's lending arranged rather than
+    left to the timing (on a loaded machine either could miss it: the engine could finish
+    batch 0 before the trainer reached take(), or still sample batch t + 1 when the update of
+    step t ended). The engine is told the trainer waits from the start, so it samples batch 0
+    on the trainer's thread; the reward returns once the engine has sampled every batch asked
+    of it, so each step's update runs on the engine's thread. The batches, rewards and update
+    are the plain run's: only when the threads change is fixed."""
+    import time
+
+    trainer = None
+
+    def char_codes_once_the_engine_is_idle(prompts, completions, **kw):
+        deadline = time.monotonic() + 50  # within reward.timeout_s (60 s)
+        while not trainer.async_rollout.engine.idle():
+            assert time.monotonic() < deadline, "the engine sampled one batch for 50 s"
+            time.sleep(0.005)
+        return char_codes(prompts, completions, **kw)
+
+    trainer = Trainer(cfg, reward_fns=[char_codes_once_the_engine_is_idle]).setup()
+    trainer.async_rollout.engine.waiting.fill_(1)  # take() sets it, and clears it after batch 0
+    try:
+        trainer.train()
+    finally:
+        trainer.cleanup()
+    return trainer
+
+
+def _check_a_run_on_lent_threads(tmp_path):
     extra = ["steps=3", "rollout.async_steps=1", "save_every=1", "num_threads=1"]
     own = _trained(_cfg(tmp_path, "own", *extra))
-    lent = _trained(_cfg(tmp_path, "lent", *extra, "rollout.async_lend_threads=true"))
+    lent = _trained_on_lent_threads(_cfg(tmp_path, "lent", *extra,
+                                         "rollout.async_lend_threads=true"))
     _assert_same_run(own, lent, step=3)
     rows = _rows(lent)
     assert all(r["async/lent_threads_s"] > 0 for r in rows)
@@ -1253,6 +1278,47 @@ def test_a_run_on_lent_threads_trains_to_the_same_weights(tmp_path):
     assert rows[0]["async/engine_borrowed_s"] > 0
     assert torch.get_num_threads() == 1  # given back when the pipeline closed
     assert not any("async/lent_threads_s" in r for r in _rows(own))
+
+
+@pytest.mark.slow
+def test_a_run_on_lent_threads_trains_to_the_same_weights(tmp_path):
+    """rollout.async_lend_threads: the trainer runs on 2 threads while the engine process
+    waits, the engine on 2 while the trainer waits (both logged), and, on this machine type's
+    kernels, the run trains to the same weights bit for bit as on their own threads."""
+    _check_a_run_on_lent_threads(tmp_path)
+
+
+@pytest.mark.slow
+def test_a_run_on_lent_threads_checks_the_same_when_the_trainer_is_late_and_the_engine_stalls(
+        tmp_path, monkeypatch):
+    """The timing a loaded machine can give the test above (it failed once in 15 runs there):
+    the trainer reaches take() only once the engine has sampled batch 0, and the engine is
+    then descheduled for 3 s while it samples batch 1, during the trainer's first update. The
+    same weights and the same lending, which the test arranges rather than leaves to chance."""
+    import os
+    import signal
+    import threading
+    import time
+
+    take, stalled = AsyncEngine.take, []
+
+    def late_take(self, timeout_s=3600.0):
+        if self.waiting is None or stalled:  # the lent run's first take only: batch 0
+            return take(self, timeout_s)
+        while int(self.finished) < 1 or self.results.empty():
+            time.sleep(0.005)
+        os.kill(self.proc.pid, signal.SIGSTOP)
+        stalled.append(threading.Timer(3.0, os.kill, (self.proc.pid, signal.SIGCONT)))
+        stalled[0].start()
+        return take(self, timeout_s)
+
+    monkeypatch.setattr(AsyncEngine, "take", late_take)
+    try:
+        _check_a_run_on_lent_threads(tmp_path)
+    finally:
+        for timer in stalled:
+            timer.join()
+    assert stalled  # the disturbance ran
 
 
 @pytest.mark.slow

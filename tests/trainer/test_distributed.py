@@ -8,6 +8,7 @@ import json
 import os
 import sys
 import textwrap
+import time
 import warnings
 from datetime import timedelta
 from pathlib import Path
@@ -103,7 +104,12 @@ def _worker(rank: int, out_dir: str, combos: list) -> None:
     tdist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank,
                              world_size=WORLD, timeout=TIMEOUT)
     results = {}
-    for strategy, obj_name, model_name in combos:
+    # The sharded checkpoint of the first FSDP2 combination: decided from ``combos``, the same
+    # on every rank. Not from whether the folder exists: one rank's dcp.save creates it before
+    # its first collective, so a rank that looked later skipped the save and waited in another
+    # collective than its peer's (a spawn error in _save_state_dict when rank 0 ran behind).
+    save_at = next((i for i, c in enumerate(combos) if c[0] == "fsdp2"), None)
+    for i, (strategy, obj_name, model_name) in enumerate(combos):
         objective = _objective(obj_name)
         model, _ = load_model(model_name, seed=0)
         batch = _rollout_batch(model, seed=1)
@@ -123,7 +129,11 @@ def _worker(rank: int, out_dir: str, combos: list) -> None:
                            for k in w)
             results[f"{strategy}-{obj_name}-{model_name}"] = {"err": err, "moved": moved,
                                                               "stat_err": stat_err}
-        if strategy == "fsdp2" and not (Path(out_dir) / "dcp").exists():
+        if i == save_at and rank == 0:
+            # rank 0 comes last on purpose, as it can on a loaded machine (it alone runs the
+            # checks above): with a save decided from the folder it would find rank 1's
+            time.sleep(1.0)
+        if i == save_at:
             save_sharded(Path(out_dir) / "dcp", model, opt)
             if rank == 0:
                 torch.save({"model": model_name, "state": single.state_dict()},
