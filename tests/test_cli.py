@@ -110,12 +110,15 @@ def test_model_folder_without_config(capsys, tmp_path):
     ("vllm", ["rollout.engine=vllm"], "rollout.engine=vllm needs vLLM"),
     ("vllm", ["rollout.engine=vllm", "rollout.async_steps=1"], "rollout.engine=vllm needs vLLM"),
     ("peft", ["lora.r=4"], "lora.r > 0 needs the peft package"),
+    # a reward's package: it failed only at the first scoring, after the run folder was made
+    ("math_verify", ["reward.functions=[math_verify]"],
+     "the math_verify reward needs the math_verify package (pip install math-verify)"),
 ])
 def test_an_optional_package_that_is_not_installed(capsys, tmp_path, monkeypatch, module, args,
                                                    needle):
-    """An engine's (or LoRA's) package that is not installed: the one-line error saying what to
-    install, before the run folder is made (it was a traceback; with async_steps=1 the engine
-    process failed after the run folder's config.yaml was written)."""
+    """An engine's (or LoRA's, or a reward's) package that is not installed: the one-line error
+    saying what to install, before the run folder is made (it was a traceback; with
+    async_steps=1 the engine process failed after the run folder's config.yaml was written)."""
     monkeypatch.setitem(sys.modules, module, None)  # `import module` fails as if absent
     assert needle in fail(capsys, tmp_path, TINY, *args)
 

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import math
 import numbers
 import re
@@ -49,6 +50,27 @@ _MAX_EXPONENT_DIGITS = 4  # 10**9999 is cheap to build exactly; 10**(10**9) is n
 def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
     """Decorator registering a reward function as ``name``; a taken name raises ValueError."""
     return REWARDS.register(name)
+
+
+# Built-in rewards that need an optional package: name -> (module, how to install it). A run
+# that names one without it stops at setup (:func:`check_packages`), not at its first scoring.
+PACKAGES: dict[str, tuple[str, str]] = {
+    "math_verify": ("math_verify", "pip install math-verify"),
+    "reasoning_gym": ("reasoning_gym", "pip install 'gspo[reasoning_gym]'"),
+}
+
+
+def check_packages(specs: list[Any]) -> None:
+    """:class:`gspo.config.MissingPackage` naming the first built-in reward in ``specs`` whose
+    package (:data:`PACKAGES`) is not installed (nothing is imported)."""
+    from gspo.config import MissingPackage
+
+    for spec in specs:
+        if isinstance(spec, str) and spec in PACKAGES:
+            module, install = PACKAGES[spec]
+            if importlib.util.find_spec(module) is None:
+                raise MissingPackage(f"reward.functions: the {spec} reward needs the {module} "
+                                     f"package ({install})")
 
 
 def resolve_reward(spec: str | RewardFn) -> RewardFn:

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from gspo.rewards.functions import RewardFn, resolve_reward
+from gspo.rewards.functions import RewardFn, check_packages, resolve_reward
 from gspo.rewards.isolation import IsolatedFailure, RewardProcesses
 
 # Largest finite float32: the trainer holds rewards in float32, where a larger value is inf.
@@ -103,6 +103,7 @@ class RewardScorer:
         twice (two lambdas, two ``functools.partial`` of one function, a spec listed twice)
         becomes ``name_2``, ``name_3``, ...: the values, weights and failures are kept per
         name."""
+        check_packages(list(specs))
         fns = [resolve_reward(s) for s in specs]
         names: list[str] = []
         for s in specs:
