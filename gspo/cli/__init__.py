@@ -201,14 +201,6 @@ def _checkpoints_run_config(model: str) -> Path | None:
     return saved if folder.parent.name == "checkpoints" and saved.is_file() else None
 
 
-def _seeded_split(task: Any) -> bool:
-    """Whether the task's held-out problems are drawn with the seed (a seeded share of the
-    rows, :func:`gspo.data.base.hold_out`), not by a hash of each problem or a file of their
-    own: evaluated with another seed than its run's, a checkpoint meets rows it trained on."""
-    return ((task.name == "jsonl" and not task.eval_path)
-            or (task.name == "dataset" and not task.eval_split) or task.name == "gsm8k_mini")
-
-
 def cmd_eval(argv: list[str]) -> int:
     p = argparse.ArgumentParser(
         prog="gspo eval", description="greedy held-out accuracy; a run's checkpoint "
@@ -225,7 +217,9 @@ def cmd_eval(argv: list[str]) -> int:
     cfg = load_config(path, [*overrides, f"model={ns.model}"])
     _check_eval_keys(overrides)
     check_task_columns(cfg.task)
-    if path is None and _seeded_split(cfg.task) and "seed" not in _eval_keys(overrides):
+    from gspo.data import held_out_kind
+
+    if path is None and held_out_kind(cfg.task) == "seeded" and "seed" not in _eval_keys(overrides):
         print(f"note: task.name={cfg.task.name} holds out rows drawn with the seed (seed="
               f"{cfg.seed} here); a model trained with another seed trained on some of them: "
               "give its run's config.yaml or seed=", flush=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gspo.config import ConfigError, LoggingConfig, RolloutConfig, TaskConfig, TrainConfig
+from gspo.config import ConfigError, LoggingConfig, RolloutConfig, TrainConfig
 from gspo.rollout import EngineOptions, engine_capabilities
 from gspo.trainer.checkpoint import latest_checkpoint
 
@@ -123,21 +123,13 @@ def new_run_folder(cfg: TrainConfig, name: str) -> Path:
     return run_dir
 
 
-def _holds_out_nothing(t: TaskConfig) -> bool:
-    """Whether a built-in task has no held-out set, from its config alone (``eval_size=0``
-    and no held-out file or split of its own); a task registered by a user may read the
-    config otherwise."""
-    builtin = ("arithmetic", "countdown", "gsm8k_mini", "jsonl", "dataset", "reasoning_gym")
-    return t.name in builtin and t.eval_size == 0 and not (t.eval_path or t.eval_split)
-
-
 def check_before_loading(cfg: TrainConfig) -> list[str]:
     """The setup checks of :class:`gspo.trainer.Trainer` that need no weights, rows or launch,
     run by the functions setup runs: ``resume``, the reward functions, ``task.name``,
     ``rollout.env``, and on the model's architecture (its config, on the meta device) the MoE
     options, ``lora.target_modules`` and the options the loop would not read. Returns what it
     could not decide (one phrase each), besides :data:`NOT_CHECKED`."""
-    from gspo.data import task_builder
+    from gspo.data import held_out_kind, task_builder
     from gspo.models.loading import model_skeleton
     from gspo.models.lora import check_targets
     from gspo.rewards import RewardScorer
@@ -163,7 +155,7 @@ def check_before_loading(cfg: TrainConfig) -> list[str]:
     # the pipeline runs at k > 0, and at k = 0 for an engine that runs in one process only
     # under torchrun (vLLM), which a config cannot tell from one process
     launches = [k > 0] if k > 0 or caps.per_rank else [False, True]
-    has_eval = False if _holds_out_nothing(cfg.task) else None
+    has_eval = False if held_out_kind(cfg.task) == "none" else None
     errors: list[ConfigError] = []
     for pipeline in launches:
         behaviour = behaviour_routing(cfg, moe=moe, engine_process=pipeline)

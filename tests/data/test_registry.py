@@ -6,7 +6,16 @@ import pytest
 
 import gspo.data.registry as task_registry
 from gspo.config import TaskConfig
-from gspo.data import TASKS, DataError, DatasetTask, Example, Task, build_task
+from gspo.data import (
+    TASKS,
+    DataError,
+    DatasetTask,
+    Example,
+    Task,
+    build_task,
+    declares_held_out,
+    held_out_kind,
+)
 from gspo.registry import Registry, UnknownNameError
 
 BUILTIN = ["arithmetic", "countdown", "dataset", "gsm8k_mini", "jsonl", "reasoning_gym"]
@@ -64,3 +73,53 @@ def test_user_registered_task_is_built(tasks):
     assert seen == [(1, 7)]
     assert isinstance(task, DatasetTask) and task.eval_examples == rows[:1]
     assert "mine" not in TASKS  # the fixture's copy took it, not the global registry
+
+
+@pytest.mark.parametrize(("name", "fields", "kind"), [
+    ("arithmetic", {}, "hashed"),
+    ("arithmetic", {"eval_size": 0}, "none"),
+    ("countdown", {}, "hashed"),
+    ("reasoning_gym", {"eval_size": 0}, "none"),
+    ("reasoning_gym", {}, "hashed"),
+    ("gsm8k_mini", {}, "seeded"),
+    ("gsm8k_mini", {"eval_size": 0}, "none"),
+    ("jsonl", {"path": "d.jsonl"}, "seeded"),
+    ("jsonl", {"path": "d.jsonl", "eval_size": 0}, "none"),
+    ("jsonl", {"path": "d.jsonl", "eval_path": "e.jsonl", "eval_size": 0}, "separate"),
+    ("dataset", {"path": "d"}, "seeded"),
+    ("dataset", {"path": "d", "eval_split": "test", "eval_size": 0}, "separate"),
+])
+def test_builtin_tasks_declare_how_they_hold_out(name, fields, kind):
+    """Each built-in task says, from its config alone, how it holds out problems: what
+    `gspo validate` (eval_every with nothing held out) and `gspo eval` (a seeded split) read."""
+    assert held_out_kind(TaskConfig(name=name, **fields)) == kind
+
+
+def test_a_user_task_declares_how_it_holds_out(tasks):
+    """A user's task declares its held-out kind with @declares_held_out; one that declares
+    nothing is None (not decidable from its config), and an unknown name is a DataError."""
+    @tasks.register("mine")
+    @declares_held_out(lambda cfg: "none" if cfg.eval_size == 0 else "separate")
+    def mine(cfg: TaskConfig, seed: int) -> DatasetTask:
+        return DatasetTask([Example("p", "a")], [], seed)
+
+    tasks.register("silent")(lambda cfg, seed: DatasetTask([Example("p", "a")], [], seed))
+    assert held_out_kind(TaskConfig(name="mine", eval_size=0)) == "none"
+    assert held_out_kind(TaskConfig(name="mine", eval_size=3)) == "separate"
+    assert held_out_kind(TaskConfig(name="silent", eval_size=0)) is None
+    with pytest.raises(DataError, match="unknown task 'nope'"):
+        held_out_kind(TaskConfig(name="nope"))
+
+
+def test_validate_reads_a_user_tasks_declaration(tasks, capsys):
+    """`gspo validate` refuses eval_every for a user's task that declares it holds out
+    nothing, and leaves a task that declares nothing to `gspo train`."""
+    from gspo.cli import main
+
+    tasks.register("bare")(declares_held_out(lambda cfg: "none")(
+        lambda cfg, seed: DatasetTask([Example("p", "a")], [], seed)))
+    tasks.register("silent")(lambda cfg, seed: DatasetTask([Example("p", "a")], [], seed))
+    args = ["validate", "model=tiny:llama", "eval_every=2", "eval_before=false"]
+    assert main([*args, "task.name=bare"]) == 2
+    assert "eval_every=2: there is no held-out set" in capsys.readouterr().err
+    assert main([*args, "task.name=silent"]) == 0
