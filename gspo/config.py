@@ -10,6 +10,8 @@ Each field's ``help`` metadata feeds ``gspo train --help`` and the docs.
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import importlib.util
 import re
 import types
 import typing
@@ -28,6 +30,29 @@ class MissingPackage(ImportError):
     the setting and what to install (``gspo`` prints it as a usage error, no traceback). Only
     an absent package raises it: one that is installed but fails to import raises its own
     error, with its traceback."""
+
+
+def import_optional(module: str, needed_by: str, what: str) -> Any:
+    """Import ``module``, an optional package that ``needed_by`` (a setting) needs.
+
+    Raises:
+        MissingPackage: ``"{needed_by} needs {what}"`` where ``module`` is not installed
+            (``what`` names the package and how to install it). A package that is installed
+            but fails inside its own import raises that error instead.
+    """
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name != module:  # installed, but it fails to import: its own error
+            raise
+        raise MissingPackage(f"{needed_by} needs {what}") from e
+
+
+def check_optional(module: str, needed_by: str, what: str) -> None:
+    """:func:`import_optional`'s :class:`MissingPackage` where ``module`` is not installed,
+    importing nothing (setup asks before it makes the run folder)."""
+    if importlib.util.find_spec(module) is None:
+        import_optional(module, needed_by, what)
 
 
 class ConfigError(ValueError):

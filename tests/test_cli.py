@@ -113,6 +113,9 @@ def test_model_folder_without_config(capsys, tmp_path):
     # a reward's package: it failed only at the first scoring, after the run folder was made
     ("math_verify", ["reward.functions=[math_verify]"],
      "the math_verify reward needs the math_verify package (pip install math-verify)"),
+    ("reasoning_gym", ["task.name=reasoning_gym", "task.subset=chain_sum",
+                       "reward.functions=[reasoning_gym]"],
+     "the reasoning_gym reward needs the reasoning_gym package"),
 ])
 def test_an_optional_package_that_is_not_installed(capsys, tmp_path, monkeypatch, module, args,
                                                    needle):
@@ -137,6 +140,15 @@ def test_a_package_that_fails_to_import_keeps_its_traceback(tmp_path, monkeypatc
         _import_vllm()
     assert not isinstance(e.value, MissingPackage)
     monkeypatch.delitem(sys.modules, "vllm", raising=False)
+    (tmp_path / "math_verify").mkdir()  # the same for a reward's package, when it scores
+    (tmp_path / "math_verify" / "__init__.py").write_text("import gspo_no_such_dependency\n")
+    monkeypatch.delitem(sys.modules, "math_verify", raising=False)
+    from gspo.rewards.math import _import_math_verify
+
+    with pytest.raises(ModuleNotFoundError, match="gspo_no_such_dependency") as e:
+        _import_math_verify()
+    assert not isinstance(e.value, MissingPackage)
+    monkeypatch.delitem(sys.modules, "math_verify", raising=False)
 
 
 # ----------------------------------------------------------------------------- dataset errors

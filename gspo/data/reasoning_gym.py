@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
+from gspo.config import import_optional
 from gspo.data.base import DataError, Example, is_held_out
 
 CHUNK = 1000  # problems per dataset built (acre, gsm_symbolic, ... build all of them up front)
@@ -33,12 +34,8 @@ EVAL_TRIES = 50  # draws per wanted held-out problem before the held-out set sta
 
 
 def import_reasoning_gym() -> Any:
-    try:
-        import reasoning_gym
-    except ImportError:
-        raise DataError("task.name=reasoning_gym needs the reasoning-gym package "
-                        "(pip install 'gspo[reasoning_gym]')") from None
-    return reasoning_gym
+    return import_optional("reasoning_gym", "task.name=reasoning_gym",
+                           "the reasoning-gym package (pip install 'gspo[reasoning_gym]')")
 
 
 def create(name: str, options: dict[str, Any], seed: int, size: int = CHUNK) -> Any:

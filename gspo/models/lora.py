@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from gspo.config import ConfigError, MissingPackage
+from gspo.config import ConfigError, import_optional
 from gspo.models.loading import ModelError
 from gspo.models.logprobs import token_logprobs
 from gspo.models.twin import meta_twin
@@ -43,12 +43,8 @@ def unwrap(model: Any) -> Any:
 def apply_lora(model: Any, cfg: Any, *, adapter_dir: str | Path | None = None) -> Any:
     """Wrap ``model`` in a PEFT LoRA adapter (:class:`gspo.config.LoRAConfig` ``cfg``); only
     the adapter is trainable. ``adapter_dir`` resumes a saved adapter instead of a fresh one."""
-    try:
-        from peft import PeftModel, get_peft_model
-    except ModuleNotFoundError as e:
-        if e.name != "peft":  # installed, but it fails to import: its own error
-            raise
-        raise MissingPackage("lora.r > 0 needs the peft package: pip install peft") from None
+    peft = import_optional("peft", "lora.r > 0", "the peft package (pip install peft)")
+    PeftModel, get_peft_model = peft.PeftModel, peft.get_peft_model
     if is_peft(model):
         raise ValueError("the model already carries a PEFT adapter; set lora.r=0 to train it")
     if adapter_dir is not None:

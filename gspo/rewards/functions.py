@@ -17,7 +17,12 @@ from fractions import Fraction
 from typing import Any
 
 from gspo.registry import Registry
-from gspo.rewards.math import boxed_format_reward, countdown_reward, math_verify_reward
+from gspo.rewards.math import (
+    MATH_VERIFY,
+    boxed_format_reward,
+    countdown_reward,
+    math_verify_reward,
+)
 from gspo.rewards.reasoning_gym import reasoning_gym_reward
 
 RewardFn = Callable[..., list]
@@ -52,25 +57,24 @@ def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
     return REWARDS.register(name)
 
 
-# Built-in rewards that need an optional package: name -> (module, how to install it). A run
+# Built-in rewards that need an optional package: name -> :func:`gspo.config.check_optional`'s
+# (module, setting, package and how to install it). A run
 # that names one without it stops at setup (:func:`check_packages`), not at its first scoring.
-PACKAGES: dict[str, tuple[str, str]] = {
-    "math_verify": ("math_verify", "pip install math-verify"),
-    "reasoning_gym": ("reasoning_gym", "pip install 'gspo[reasoning_gym]'"),
+PACKAGES: dict[str, tuple[str, str, str]] = {
+    "math_verify": MATH_VERIFY,
+    "reasoning_gym": ("reasoning_gym", "reward.functions: the reasoning_gym reward",
+                      "the reasoning_gym package (pip install 'gspo[reasoning_gym]')"),
 }
 
 
 def check_packages(specs: list[Any]) -> None:
     """:class:`gspo.config.MissingPackage` naming the first built-in reward in ``specs`` whose
     package (:data:`PACKAGES`) is not installed (nothing is imported)."""
-    from gspo.config import MissingPackage
+    from gspo.config import check_optional
 
     for spec in specs:
         if isinstance(spec, str) and spec in PACKAGES:
-            module, install = PACKAGES[spec]
-            if importlib.util.find_spec(module) is None:
-                raise MissingPackage(f"reward.functions: the {spec} reward needs the {module} "
-                                     f"package ({install})")
+            check_optional(*PACKAGES[spec])
 
 
 def resolve_reward(spec: str | RewardFn) -> RewardFn:

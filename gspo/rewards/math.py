@@ -10,7 +10,6 @@ from __future__ import annotations
 import ast
 import contextlib
 import functools
-import importlib.util
 import math
 import numbers
 import re
@@ -222,13 +221,15 @@ def _parse_gold(parse: Any, text: str, timeout: int | None) -> list[Any]:
     return parse(text, parsing_timeout=timeout)
 
 
+MATH_VERIFY = ("math_verify", "reward.functions: the math_verify reward",
+               "the math_verify package (pip install math-verify)")
+
+
 def _import_math_verify() -> tuple[Any, Any]:
-    try:
-        from math_verify import parse, verify
-    except ImportError:
-        raise ImportError("the math_verify reward needs the math-verify package: "
-                          "pip install math-verify") from None
-    return parse, verify
+    from gspo.config import import_optional
+
+    module = import_optional(*MATH_VERIFY)
+    return module.parse, module.verify
 
 
 def math_verify_scores(completions: list[str], answers: list[Any]) -> list[float | None]:
@@ -290,8 +291,9 @@ def math_verify_reward(prompts: list[str], completions: list[str], *, answer: li
     (started for the call, ~0.3 s, and stopped before it returns) that is killed then, so no
     response can hang the reward. Needs ``pip install math-verify``.
     """
-    if importlib.util.find_spec("math_verify") is None:
-        _import_math_verify()  # raises the ImportError that says what to install
+    from gspo.config import check_optional
+
+    check_optional(*MATH_VERIFY)
     if not completions:
         return []
     from gspo.rewards.isolation import RewardProcess

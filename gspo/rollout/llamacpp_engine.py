@@ -28,7 +28,6 @@ it compiles llama.cpp, about 20 min on 2 cores).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 import tempfile
@@ -38,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gspo.config import MissingPackage
+from gspo.config import check_optional, import_optional
 from gspo.models.tokens import eos_ids
 from gspo.rollout.batch import Rollout
 from gspo.rollout.engine import ENGINES, EngineCapabilities, EngineOptions
@@ -49,15 +48,12 @@ N_CTX = 2048  # tokens of context (prompt + response) the engine first reserves 
 NO_ROUTING = "llama.cpp does not report the experts it routed to (and the engine is dense-only)"
 
 
+LLAMA_CPP = ("llama_cpp", "rollout.engine=llamacpp",
+             "llama-cpp-python (pip install 'gspo[llamacpp]'; it compiles llama.cpp)")
+
+
 def _import_llama_cpp() -> Any:
-    try:
-        import llama_cpp
-    except ModuleNotFoundError as e:
-        if e.name != "llama_cpp":  # installed, but it fails to import: its own error
-            raise
-        raise MissingPackage("rollout.engine=llamacpp needs llama-cpp-python "
-                             "(pip install 'gspo[llamacpp]'; it compiles llama.cpp)") from e
-    return llama_cpp
+    return import_optional(*LLAMA_CPP)
 
 
 def _permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -214,8 +210,7 @@ class LlamaCppEngine:
     @staticmethod
     def check_installed() -> None:
         """:class:`gspo.config.MissingPackage` without llama-cpp-python (importing nothing)."""
-        if importlib.util.find_spec("llama_cpp") is None:
-            _import_llama_cpp()  # raises the error that says what to install
+        check_optional(*LLAMA_CPP)
 
     @classmethod
     def start(cls, model: Any, tokenizer: Any, opts: EngineOptions) -> LlamaCppEngine:

