@@ -123,22 +123,39 @@ class Objective:
         With a ``correction``, ``rollout_logprobs`` [B, T] (log π_rollout) is required: the
         advantages are multiplied by the correction's detached weights (per sequence [B] or
         per token [B, T]) and its stats are added."""
-        fn, options, extra = self.fn, self.options, {}
-        if self.correction is not None:
-            if rollout_logprobs is None:
-                raise ValueError(f"objective {self.name!r} with correction "
-                                 f"{self.correction.name!r} needs rollout_logprobs")
-            weights, extra = self.correction.weights(old_logprobs, rollout_logprobs, logprobs,
-                                                     advantages, mask)
-            advantages = apply_weights(advantages, weights)
-            if self.correction.via != self.name:  # a token-level correction's token form
-                fn = OBJECTIVES[self.correction.via]
-                options = {k: v for k, v in options.items()
-                           if k in _option_defaults(self.correction.via, fn)}
+        fn, options = self.fn, self.options
+        advantages, extra = self._corrected(logprobs, old_logprobs, advantages, mask,
+                                            rollout_logprobs)
+        if self.correction is not None and self.correction.via != self.name:
+            fn = OBJECTIVES[self.correction.via]  # a token-level correction's token form
+            options = {k: v for k, v in options.items()
+                       if k in _option_defaults(self.correction.via, fn)}
         loss, stats = fn(logprobs, old_logprobs, advantages, mask,
                          ref_logprobs=ref_logprobs, **options)
         ratio = token_ratio_mean(logprobs, old_logprobs, mask)
         return loss, {**stats, **extra, "objective/token_ratio_mean": ratio}
+
+    def seen_advantages(self, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor,
+                        mask: Tensor, *, rollout_logprobs: Tensor | None = None) -> Tensor:
+        """The advantages :meth:`loss` weighs its terms by (detached): ``advantages`` times the
+        bound correction's weights ([B], or [B, T] for token weights), ``advantages`` without
+        one. A row whose advantages are all 0 here is not a signal row of the loss's stats
+        (``objective/clip_frac_*_signal``), whatever its reward."""
+        return self._corrected(logprobs, old_logprobs, advantages, mask,
+                               rollout_logprobs)[0].detach()
+
+    def _corrected(self, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor,
+                   mask: Tensor, rollout_logprobs: Tensor | None
+                   ) -> tuple[Tensor, dict[str, Tensor]]:
+        """(advantages × the correction's weights, its stats); the inputs without one."""
+        if self.correction is None:
+            return advantages, {}
+        if rollout_logprobs is None:
+            raise ValueError(f"objective {self.name!r} with correction "
+                             f"{self.correction.name!r} needs rollout_logprobs")
+        weights, extra = self.correction.weights(old_logprobs, rollout_logprobs, logprobs,
+                                                 advantages, mask)
+        return apply_weights(advantages, weights), extra
 
     def row_weights(self, mask: Tensor) -> Tensor:
         """w_i [N] float32 of the loss's mean over rows, Σ_i w_i term_i / Σ_i w_i, for the

@@ -176,20 +176,21 @@ def policy_update(model: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
             first = plan.old_from_first and epoch == 0 and k == 0
             void = not float(w_global[mb_idx].sum()) > 0  # the same on every rank
             result.lrs.append(float(optimizer.param_groups[0]["lr"]))
-            stats = _step(model, optimizer, scheduler, batch, local, share, extra_share,
-                          empty, first, plan.first_is_old, result, objective=objective,
-                          temperature=temperature, chunk=chunk, grad_clip=grad_clip,
-                          hooks=hooks, d=d, logprob_fn=logprob_fn, diagnostics=diagnostics,
-                          apply=not void)
-            if stats is None:
+            out = _step(model, optimizer, scheduler, batch, local, share, extra_share,
+                        empty, first, plan.first_is_old, result, objective=objective,
+                        temperature=temperature, chunk=chunk, grad_clip=grad_clip,
+                        hooks=hooks, d=d, logprob_fn=logprob_fn, diagnostics=diagnostics,
+                        apply=not void)
+            if out is None:
                 result.skipped += 1
                 continue
             if void:
                 result.empty += 1
                 continue
+            stats, seen = out
             result.stats.append(stats)
             weight = 0.0 if empty else float(w_global[local + offset].sum())
-            counts.append(_counts(batch.response_mask[local], batch.advantages[local], weight))
+            counts.append(_counts(batch.response_mask[local], seen, weight))
     optimizer.zero_grad(set_to_none=True)
     result.counts = counts
     if d.enabled:
@@ -207,8 +208,10 @@ def _step(model: Any, optimizer: Any, scheduler: Any, batch: UpdateBatch, local:
           objective: Objective, temperature: float, chunk: int, grad_clip: float,
           hooks: PolicyHooks, d: Dist, logprob_fn: Callable[..., Any],
           diagnostics: StepDiagnostics | None = None,
-          apply: bool = True) -> dict[str, torch.Tensor] | None:
-    """One minibatch: forward, loss, backward, AdamW step; its stats, or None if skipped.
+          apply: bool = True) -> tuple[dict[str, torch.Tensor], torch.Tensor] | None:
+    """One minibatch: forward, loss, backward, AdamW step; its stats and the advantages its
+    loss saw (:meth:`gspo.objectives.Objective.seen_advantages`: a behaviour correction's
+    weights applied), or None if skipped.
     ``first``: this forward also gives the trainer's pass for these rows: their π_old
     (``first_is_old``), else returned apart (see :class:`UpdatePlan`). ``share`` /
     ``extra_share``: the multipliers of the objective's loss and of the hooks' extra loss
@@ -253,19 +256,26 @@ def _step(model: Any, optimizer: Any, scheduler: Any, batch: UpdateBatch, local:
         scheduler.step()
     # a stand-in row (this rank holds none of the minibatch) adds nothing to global stats
     own = torch.zeros_like(mb.response_mask) if empty else mb.response_mask
+    seen = (mb.advantages if objective.correction is None else objective.seen_advantages(
+        logprobs, mb.old_logprobs, mb.advantages, mb.response_mask,
+        rollout_logprobs=mb.rollout_logprobs))
     return {**stats, **hooks.step_stats(moe_out, own,
                                         all_reduce=d.all_reduce if d.enabled else None),
-            "train/grad_norm": gnorm.detach(), "train/loss": loss.detach()}
+            "train/grad_norm": gnorm.detach(), "train/loss": loss.detach()}, seen
 
 
 def _counts(response_mask: torch.Tensor, advantages: torch.Tensor, weight: float
             ) -> dict[str, float]:
-    """What this rank's stats of a minibatch average over (zeros for a stand-in row)."""
+    """What this rank's stats of a minibatch average over (zeros for a stand-in row).
+    ``advantages``: those the loss saw ([B], or [B, T] under token weights); a signal row is
+    one whose token mean of them is not 0, as in the loss's ``*_signal`` stats."""
     on = response_mask > 0
     if weight <= 0:
         return {"rows": 0.0, "tokens": 0.0, "signal_rows": 0.0, "signal_tokens": 0.0,
                 "weight": weight}
-    signal = on & (advantages != 0)[:, None]
+    row = (advantages != 0 if advantages.dim() == 1
+           else torch.where(on, advantages, 0.0).sum(-1) != 0)
+    signal = on & row[:, None]
     return {"rows": float(on.any(-1).sum()), "tokens": float(on.sum()),
             "signal_rows": float(signal.any(-1).sum()), "signal_tokens": float(signal.sum()),
             "weight": weight}
