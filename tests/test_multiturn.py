@@ -2,6 +2,8 @@
 
 import json
 import math
+import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -73,6 +75,27 @@ def test_two_turn_rows_hold_observations_with_exact_masks():
         [0, 0, 1, 1, 1, 0, 0, 0, 1, 1], [0, 0, 1, 1, 0, 0, 0, 0, 0, 0]]
     assert padded["input_ids"][0].tolist() == [2, 3, 5, 6, 1, 90, 91, 92, 7, 1]
     assert padded["old_logprobs"][0, 5:8].tolist() == [0.0, 0.0, 0.0]
+
+
+def test_a_transcript_past_the_models_positions_is_warned_of_once():
+    """The trainer warns of a prompt + max_new_tokens past max_position_embeddings, but later
+    turns read the whole transcript: one of 11 tokens under a limit of 8 (prompt + one turn is
+    5) was sampled and trained on without a word."""
+    _, tok = build_tiny("llama")
+    loop = TurnLoop(Scripted, tok, max_turns=2, chat_template=False, context_limit=8)
+    loop.fmt = FixedFormat()
+    ex = SimpleNamespace(prompt="q", answer="3", columns={})
+    turn = ([5, 6, 1], [-0.5, -0.25, -0.125])
+    sample = _scripted_sampler([[turn], [turn], [turn], [turn]])
+    with pytest.warns(UserWarning, match="is 11 tokens, past the model's "
+                                         "max_position_embeddings=8"):
+        roll = loop.run(sample, [ex], [[2, 3]], [0], 1)
+    assert len(roll.prompt_ids[0]) + len(roll.response_ids[0]) == 11
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        loop.run(sample, [ex], [[2, 3]], [0], 1)  # once a run
+        TurnLoop(Scripted, tok, max_turns=2, chat_template=False, context_limit=None).run(
+            _scripted_sampler([[turn], [turn]]), [ex], [[2, 3]], [0], 1)
 
 
 def test_gspo_length_normalisation_counts_model_tokens_only():
@@ -188,6 +211,22 @@ def test_python_tool_runs_the_last_block_and_a_plain_turn_ends_the_episode():
     assert "ZeroDivisionError" in env.step("```python\n1/0\n```").observation
     assert env.step("The answer is 1776.").done
     assert tool_call("```python\nprint(1)") is None  # an unclosed block is not a call
+
+
+def test_python_tool_keeps_the_error_and_marks_an_output_it_cut():
+    """The observation was cut to max_chars after the error line was added (a program that
+    printed 300 lines and then raised came back without the exception), and an output past
+    the sandbox's 4 KiB tail showed a chunk from its middle as if it were the start."""
+    env = PythonTool()
+    obs = env.step("```python\nfor i in range(300): print(i)\n1/0\n```").observation
+    assert obs.startswith("<output>\n0\n1\n") and "...\nZeroDivisionError" in obs
+    assert len(obs) < 2 * PythonTool.max_chars
+    obs = env.step("```python\nfor i in range(2000): print(i)\n```").observation
+    assert obs.startswith("<output>\n...") and obs.endswith("\n1999\n</output>")
+    obs = env.step("```python\nprint('a' * 200000)\n```").observation
+    assert obs.startswith("<output>\n...aaa") and obs.endswith("a\noutput_limit\n</output>")
+    obs = env.step("```python\nprint(6 * 7, end='')\n1/0\n```").observation
+    assert obs == "<output>\n42\nZeroDivisionError: division by zero\n</output>"
 
 
 def test_final_numeric_match_ignores_numbers_only_the_tool_printed():

@@ -32,6 +32,7 @@ from typing import Any, ClassVar, Protocol
 
 from gspo.registry import Registry
 from gspo.rewards.sandbox import run_python
+from gspo.rewards.sandbox.process import _TAIL_BYTES
 from gspo.rewards.transcript import OBS_CLOSE, OBS_OPEN
 
 
@@ -88,9 +89,12 @@ def tool_call(text: str) -> str | None:
 class PythonTool:
     """The built-in tool: a turn holding a ```` ```python ```` block runs its last block in the
     sandbox (:func:`gspo.rewards.sandbox.run_python`, stdlib only, no network, the limits
-    below); what it printed (stdout, then the last line of stderr on an error) comes back as
-    the observation ``<output>\\n...\\n</output>``, cut to ``max_chars``. A turn without a
-    block is the final answer and ends the episode."""
+    below); what it printed comes back as the observation ``<output>\\n...\\n</output>``:
+    stdout cut to ``max_chars`` (its first characters, or its last ones, after ``...``, where
+    the sandbox kept only the end of a long output), then, when the run did not complete, the
+    last line of stderr (the exception) or the status (``timeout``, ``memory``,
+    ``output_limit``), which the cut never drops. A turn without a block is the final answer
+    and ends the episode."""
 
     max_chars = 400
     limits: ClassVar[dict[str, Any]] = {"wall_timeout_s": 5.0, "cpu_s": 2, "memory_mb": 256}
@@ -104,9 +108,13 @@ class PythonTool:
             return Step(done=True)
         result = run_python(code, [], **self.limits)
         text = result.stdout_tail
+        if len(text.encode()) >= _TAIL_BYTES:  # the sandbox kept only the output's end
+            text = "..." + text[-self.max_chars:]
+        elif len(text) > self.max_chars:
+            text = text[:self.max_chars] + "..."
+        if text and not text.endswith("\n"):
+            text += "\n"
         if result.status not in ("ok", "failed"):
             last = result.stderr_tail.strip().splitlines()
-            text += (last[-1] if last else result.status) + "\n"
-        if len(text) > self.max_chars:
-            text = text[:self.max_chars] + "...\n"
+            text += (last[-1][:self.max_chars] if last else result.status) + "\n"
         return Step(f"{OBS_OPEN}\n{text.rstrip()}\n{OBS_CLOSE}")

@@ -17,6 +17,7 @@ observation tokens and ``logprobs`` 0 there: ``pad_batch`` turns the mask into t
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -189,17 +190,23 @@ class TurnLoop:
     observation, a game's board) has it shown on the first turn: the prompt is formatted
     again (``chat_template``, ``system_prompt``, as the task formats its prompts) with the
     observation after the dataset prompt in the user message. Reward functions still get the
-    dataset prompt."""
+    dataset prompt.
+
+    ``context_limit`` (the model's ``max_position_embeddings``): a transcript that grows past
+    it (the prompt, every turn and every observation) is warned of once; nothing truncates
+    it, and a RoPE model samples and is trained there, out of its trained range."""
 
     def __init__(self, factory: Callable[[], Env], tokenizer: Any, *, max_turns: int,
-                 chat_template: bool, system_prompt: str = "") -> None:
+                 chat_template: bool, system_prompt: str = "",
+                 context_limit: int | None = None) -> None:
         self.factory, self.tokenizer, self.max_turns = factory, tokenizer, max_turns
         self.chat_template, self.system_prompt = chat_template, system_prompt
         self.fmt = ObservationFormat(tokenizer, chat_template=chat_template)
+        self.context_limit, self._warned_context = context_limit, False
 
     @classmethod
-    def from_config(cls, rollout: RolloutConfig, task: TaskConfig,
-                    tokenizer: Any) -> TurnLoop | None:
+    def from_config(cls, rollout: RolloutConfig, task: TaskConfig, tokenizer: Any, *,
+                    context_limit: int | None = None) -> TurnLoop | None:
         """None for single-turn rollouts (``rollout.max_turns = 1``)."""
         if rollout.max_turns == 1:
             return None
@@ -208,15 +215,34 @@ class TurnLoop:
         except (KeyError, ValueError) as e:  # an unknown name lists the registered ones
             raise ConfigError(f"rollout.env: {e}") from e
         return cls(factory, tokenizer, max_turns=rollout.max_turns,
-                   chat_template=task.chat_template, system_prompt=task.system_prompt)
+                   chat_template=task.chat_template, system_prompt=task.system_prompt,
+                   context_limit=context_limit)
 
     def run(self, sample: SampleFn, examples: list[Any], prompts: list[list[int]],
             seeds: list[int], group_size: int) -> Rollout:
         envs, shown = make_envs(self.factory, examples, group_size)
         prompts = [self._with_observation(ex, ids, shown[p * group_size:(p + 1) * group_size])
                    for p, (ex, ids) in enumerate(zip(examples, prompts))]
-        return multi_turn(sample, prompts, envs, group_size=group_size, seeds=seeds,
+        roll = multi_turn(sample, prompts, envs, group_size=group_size, seeds=seeds,
                           max_turns=self.max_turns, fmt=self.fmt, decode=self._decode)
+        self._warn_past_context(roll)
+        return roll
+
+    def _warn_past_context(self, roll: Rollout) -> None:
+        """Warn once when a transcript ran past ``context_limit`` positions."""
+        limit = self.context_limit
+        if limit is None or self._warned_context:
+            return
+        longest = max((len(p) + len(r) for p, r in zip(roll.prompt_ids, roll.response_ids)),
+                      default=0)
+        if longest <= limit:
+            return
+        self._warned_context = True
+        warnings.warn(f"rollout: a multi-turn transcript (prompt, turns and observations) is "
+                      f"{longest} tokens, past the model's max_position_embeddings={limit}: "
+                      "later turns are sampled and trained on beyond the positions the model "
+                      "was trained on (lower rollout.max_turns, rollout.max_new_tokens or the "
+                      "observations' length)", stacklevel=3)
 
     def _with_observation(self, example: Any, ids: list[int],
                           shown: list[str | None]) -> list[int]:

@@ -278,7 +278,8 @@ class Trainer:
         if cfg.reward.isolate == "process":
             self.scorer.isolate(self.reward_specs, memory_mb=cfg.reward.memory_mb)
         self.eos, self.pad_id = eos_ids(self.model, self.tokenizer), self.tokenizer.pad_token_id
-        self.turns = TurnLoop.from_config(cfg.rollout, cfg.task, self.tokenizer)
+        self.turns = TurnLoop.from_config(cfg.rollout, cfg.task, self.tokenizer,
+                                          context_limit=self.context_limit)
         self.ref_model = (self._reference_model(resumed=from_checkpoint)
                           if cfg.objective.beta > 0 else None)
         # Before the engine and the optimizer: FSDP2 replaces the parameters with shards.

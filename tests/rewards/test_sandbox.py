@@ -265,6 +265,21 @@ def test_result_channel_is_parsed_strictly():
     assert not parse(b"", nonce, 1).setup_seen
 
 
+def test_a_run_without_tests_reports_memory_as_memory():
+    """tests=[] (the python tool's runs): the child's "memory 0 0" record was taken for
+    tampering (0 of 0 passed read as "all passed", which only "ok" may say), so a program out
+    of memory came back as status "error" with nothing on stderr."""
+    nonce, setup = "a" * 32, f"{'a' * 32} setup uid\n"
+    for status in ("memory", "error", "ok"):
+        raw = f"{setup}{nonce} result {status} 0 0\n".encode()
+        assert protocol._parse_result(raw, nonce, 0).outcome == (status, 0)
+    for tampered in ("failed 0 0", "error 1 2", "memory 1 1", "failed 2 2"):
+        raw = f"{setup}{nonce} result {tampered}\n".encode()
+        assert protocol._parse_result(raw, nonce, int(tampered[-1])).outcome is None, tampered
+    r = run_python("x = bytearray(10**9)", [], memory_mb=256)
+    assert (r.status, r.program_ran, r.fraction) == ("memory", True, 0.0)
+
+
 def test_code_extraction():
     assert extract_code("```python\na = 1\n```\ntext\n```python\nb = 2\n```") == "b = 2\n"
     assert extract_code("```\nx = 1\n```\n```bash\nls\n```") == "x = 1\n"
