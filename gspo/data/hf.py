@@ -87,8 +87,10 @@ def records_to_examples(records: Iterable[Mapping[str, Any]], *, prompt_field: s
 def load_split(path: str, split: str, *, subset: str = "") -> Any:
     """One split of a local file, a local folder or a Hub dataset, as a ``datasets.Dataset``.
 
-    A single local file has one split, ``train``. A folder uses ``datasets``' file-name
-    conventions (``train.jsonl``, ``test.parquet``, ``data/train-*.csv``, ...).
+    A single local file has one split, ``train``, and no configurations (``subset`` set is a
+    :class:`DataError`). A folder uses ``datasets``' file-name conventions (``train.jsonl``,
+    ``test.parquet``, ``data/train-*.csv``, ...) or the configurations its ``README.md``
+    declares (a local copy of a Hub dataset), of which ``subset`` picks one, as on the Hub.
     """
     try:
         import datasets
@@ -103,10 +105,13 @@ def load_split(path: str, split: str, *, subset: str = "") -> Any:
             raise DataError(f"{p}: unsupported file type (use {', '.join(sorted(BUILDERS))})")
         if p.stat().st_size == 0:
             raise DataError(f"{p}: dataset is empty")
+        if subset:
+            raise DataError(f"{p}: task.subset='{subset}' names a configuration of a folder or "
+                            "Hub dataset; a single file has none")
         args: tuple[Any, ...] = (builder,)
         kwargs: dict[str, Any] = {"data_files": {"train": str(p)}}
     elif p.is_dir():
-        args, kwargs = (str(p),), {}
+        args, kwargs = (str(p), *([subset] if subset else [])), {}
     elif path.startswith((".", "/", "~")) or p.suffix.lower() in BUILDERS:
         raise DataError(f"dataset not found: {path}")
     else:
