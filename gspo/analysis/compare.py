@@ -34,11 +34,24 @@ import yaml
 
 from gspo.analysis.report import DONE, read_done, summarize, write_report
 from gspo.analysis.spec import CompareSpec
-from gspo.config import ConfigError, RolloutConfig, TrainConfig, to_dict, validate
+from gspo.config import (
+    ConfigError,
+    MissingPackage,
+    RolloutConfig,
+    TrainConfig,
+    check_task_columns,
+    to_dict,
+    validate,
+)
+from gspo.data import DataError
+from gspo.models import ModelError
+from gspo.models.loading import check_model
 from gspo.models.moe import expert_change, routing_change
-from gspo.objectives import objective_from_config
+from gspo.objectives import UnknownNameError, objective_from_config
+from gspo.rewards import RewardError, RewardSpecError
 from gspo.trainer import Trainer
 from gspo.trainer.checkpoint import atomic_write_text
+from gspo.trainer.setup_checks import check_before_loading
 from gspo.trainer.update import UpdatePlan, policy_update
 
 # written into a run folder before its run starts: only such a folder may compare delete
@@ -126,7 +139,8 @@ def first_update_probe(cfg: TrainConfig) -> dict[str, Any]:
     GSPO-token and GRPO take the same step: one probe per seed serves every arm.
     """
     trainer = Trainer(cfg).setup()
-    if not trainer.hooks.active:
+    if not trainer.hooks.active:  # a dense policy: nothing to measure
+        _release(trainer)  # its engine, reward processes and logs: the arms' runs follow
         return {}
     o = cfg.objective
     examples, roll = trainer.rollout()
@@ -299,6 +313,26 @@ def _check_writable(folder: Path, what: str) -> None:
         raise ConfigError(f"{what} {folder}: {existing} is not writable")
 
 
+def check_arms(spec: CompareSpec, runs_dir: Path, extra: list[str]) -> None:
+    """The checks ``gspo validate`` makes on a run config (the loss's options, the model's
+    name, the task's columns and the setup checks that need no weights:
+    :func:`gspo.trainer.setup_checks.check_before_loading`) on every arm's config and the
+    routing probe's, so that a typo in the last arm (an unknown reward, objective, task or
+    model) is a one-line :class:`ConfigError` naming the arm before the first run, not after
+    the runs of the arms before it."""
+    seed = spec.seeds[0]
+    for arm in [spec.probe_arm, *(a for a in spec.arms if a is not spec.probe_arm)]:
+        cfg = spec.config(arm, seed, runs_dir, extra)
+        try:
+            check_task_columns(cfg.task)
+            objective_from_config(cfg.objective)
+            check_model(cfg.model)
+            check_before_loading(cfg)
+        except (ConfigError, ModelError, DataError, UnknownNameError, RewardError,
+                RewardSpecError, MissingPackage, FileNotFoundError) as e:
+            raise ConfigError(f"{spec.path}: arm '{arm.name}': {e}") from None
+
+
 def run_compare(spec: CompareSpec, runs_dir: str | Path, out_dir: str | Path,
                 extra: list[str] | None = None, log: Callable[[str], None] = print,
                 command: str = "", jobs: int = 1) -> dict[str, Any]:
@@ -323,6 +357,7 @@ def run_compare(spec: CompareSpec, runs_dir: str | Path, out_dir: str | Path,
             raise ConfigError(f"--jobs {jobs}: arm(s) {', '.join(unset)} leave num_threads at "
                               f"0 (torch's default: every core in every run); set num_threads, "
                               f"e.g. num_threads={max(1, (os.cpu_count() or 1) // jobs)}")
+    check_arms(spec, runs_dir, extra)  # a typo in any arm: before the first run
     # a folder in the way (another config's finished run, a run compare did not start) stops
     # the comparison before its first run, not at that run's turn
     for _, _, cfg in plan:

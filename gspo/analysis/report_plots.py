@@ -149,7 +149,8 @@ def _figure(stem: str, title: str, panels: list[tuple[str, str, str, str]],
 
 def plot_compare(summary: dict[str, Any], runs: dict[str, dict[int, Path]],
                  out: Path) -> list[Path]:
-    """Write the comparison's PNGs into ``out``; returns their paths."""
+    """Write the comparison's PNGs into ``out``; returns their paths. A figure no run has
+    data for is not drawn, and one of that name an earlier call wrote is removed."""
     labels = {name: arm["label"] for name, arm in summary["arms"].items()}
     cache: dict[Path, list[dict[str, Any]]] = {}
     n_seeds = len(summary["seeds"])
@@ -168,4 +169,9 @@ def plot_compare(summary: dict[str, Any], runs: dict[str, dict[int, Path]],
         path = _figure(stem, title, panels, labels, runs, out, cache, n_seeds)
         if path is not None:
             paths.append(path)
+    # a figure an earlier report left here (another comparison's, or these arms' before a
+    # change) would be taken for these runs'
+    for stem in {stem for stem, _, _ in FIGURES} | {"routing"}:
+        if out / f"{stem}.png" not in paths:
+            (out / f"{stem}.png").unlink(missing_ok=True)
     return paths

@@ -86,6 +86,17 @@ def one_error_line(capsys) -> str:
     return err
 
 
+
+def test_the_probe_of_a_dense_policy_releases_its_trainer(tmp_path, monkeypatch, fake_runs):
+    """The routing probe of a dense policy measures nothing; its trainer (engine, reward
+    processes, TensorBoard writer) is closed before the arms' runs, as every run's is (it was
+    never closed: its TensorBoard writer's thread ran on, its engine stayed open)."""
+    closed: list[str] = []
+    monkeypatch.setattr(FakeTrainer, "cleanup", lambda self: closed.append(self.cfg.run_name))
+    assert compare_cli(tmp_path, spec_file(tmp_path)) == 0
+    assert fake_runs[0] == "probe_s0" and "probe_s0" in closed
+    assert sorted(closed) == sorted(fake_runs)
+
 # ----------------------------------------------------------------- A: folders compare did not start
 
 
@@ -358,6 +369,26 @@ def test_an_out_folder_that_cannot_be_made_fails_before_the_first_run(tmp_path, 
                  str(tmp_path / "out")]) == 2
     assert "--runs" in one_error_line(capsys)
     assert fake_runs == [] and not (tmp_path / "out").exists()
+
+
+
+@pytest.mark.parametrize("bad, match", [
+    ("reward.functions=[numeric_mach]", "unknown reward 'numeric_mach'"),
+    ("objective.name=gspo_tokn", "gspo_tokn"),
+    ("task.name=arithmetc", "arithmetc"),
+    ("model=/nonexistent/model", "/nonexistent/model"),
+])
+def test_a_typo_in_the_last_arm_fails_before_the_first_run(tmp_path, capsys, fake_runs, bad,
+                                                           match):
+    """What ``gspo validate`` finds without loading anything (an unknown reward, objective,
+    task or model) is found for every arm before any run: it failed when the arm's turn came,
+    after the runs of the arms before it (hours of them)."""
+    path = spec_file(tmp_path, arms={"a": {"overrides": ["objective.name=grpo"]},
+                                     "b": {"overrides": ["objective.name=gspo", bad]}})
+    assert compare_cli(tmp_path, path) == 2
+    err = one_error_line(capsys)
+    assert "arm 'b'" in err and match in err, err
+    assert fake_runs == [] and not (tmp_path / "runs").exists()
 
 
 def test_a_partial_report_counts_each_missing_seed_and_each_seed_start_once(tmp_path):

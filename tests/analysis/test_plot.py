@@ -170,3 +170,34 @@ def test_the_compare_reward_figure_draws_reward_per_sampled_response(tmp_path) -
     xs, mean, lo, hi = band(runs, key, {})
     assert xs == [32.0, 48.0]
     assert mean == pytest.approx([0.3, 0.75]) and lo == [0.2, 0.75] and hi == [0.4, 0.75]
+
+
+def test_a_compare_figure_the_runs_have_no_data_for_is_not_left_from_an_earlier_report(
+        tmp_path) -> None:
+    """``gspo compare``'s report folder: a figure an earlier report drew (staleness, per-layer
+    routing) that these runs have no data for is removed, not left beside results.md as if it
+    were theirs; other files stay."""
+    import yaml
+
+    from gspo.analysis.report_plots import plot_compare
+
+    def run(name: str, extra: dict) -> object:
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.yaml").write_text(yaml.safe_dump(
+            {"rollout": {"prompts_per_step": 2, "group_size": 4}}))
+        rows = [{"step": s, "reward/mean": 0.5, **extra} for s in (1, 2)]
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return d
+
+    summary = {"arms": {"a": {"label": "A"}}, "seeds": [0]}
+    out = tmp_path / "report"
+    out.mkdir()
+    (out / "mine.png").write_bytes(b"not ours")
+    moe_async = {"a": {0: run("async", {"async/staleness_mean": 1.0,
+                                        "moe/routing_change_layer0": 0.1})}}
+    drawn = plot_compare(summary, moe_async, out)
+    assert sorted(p.name for p in drawn) == ["reward.png", "routing.png", "staleness.png"]
+    drawn = plot_compare(summary, {"a": {0: run("sync", {})}}, out)
+    assert [p.name for p in drawn] == ["reward.png"]
+    assert sorted(p.name for p in out.iterdir()) == ["mine.png", "reward.png"]
