@@ -117,9 +117,11 @@ class MoEHooks(PolicyHooks):
         self.records_rollout_routing = cfg.routing_replay == "r3"
         n_layers = len(router_modules(model))
         # Means over response tokens, except the loss, which is each rank's own (see metrics).
+        # moe/load_imbalance is the same global value on every rank (loads summed over ranks):
+        # a mean over minibatches like the others (as "max" it was the step's worst minibatch)
         self.stat_kinds = {_CHANGE: "tokens", "moe/load_balancing_loss": "rank",
                            _EXPERTS: "tokens", "moe/router_entropy": "tokens",
-                           "moe/load_imbalance": "max",
+                           "moe/load_imbalance": "tokens",
                            **{f"{_CHANGE}_layer{i}": "tokens" for i in range(n_layers)},
                            **{f"{_EXPERTS}_layer{i}": "tokens" for i in range(n_layers)}}
 
