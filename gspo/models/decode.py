@@ -26,9 +26,10 @@ rollout's ``max_new_tokens`` steps.
 
 It covers the architectures whose decoder layers are exactly Llama's shape (``llama``,
 ``qwen2``, ``qwen3`` without sliding-window layers) with plain ``nn.Linear`` projections, and
-their Mixture-of-Experts siblings (``mixtral``, ``qwen2_moe``, ``qwen3_moe``): the same
-attention, with each sparse layer's MoE block (router and experts) run as the model's own module
-(:func:`sparse_block`), so its routing and any hooks on its router are the model's;
+their Mixture-of-Experts siblings (``mixtral``, ``qwen2_moe``, ``qwen3_moe``, also without
+sliding-window attention): the same attention, with each sparse layer's MoE block (router and
+experts) run as the model's own module (:func:`sparse_block`), so its routing and any hooks on
+its router are the model's;
 :func:`unsupported` names what stops any other model, and the sampler then uses ``forward``.
 The logits equal ``forward``'s to fp32 rounding (``tests/models/test_decode.py``).
 """
@@ -59,6 +60,10 @@ def unsupported(model: Any) -> str | None:
         return f"model type {kind!r} is not one of {', '.join(FAMILIES)}"
     if getattr(cfg, "use_sliding_window", False) or any(
             t != "full_attention" for t in (getattr(cfg, "layer_types", None) or [])):
+        return "sliding-window attention layers"
+    # Mixtral has no use_sliding_window or layer_types: its forward applies the window
+    # whenever config.sliding_window is set (every layer)
+    if kind == "mixtral" and getattr(cfg, "sliding_window", None) is not None:
         return "sliding-window attention layers"
     body = getattr(model, "model", None)
     layers = getattr(body, "layers", None)

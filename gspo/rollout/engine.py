@@ -74,7 +74,10 @@ class RolloutEngine(Protocol):
         samples are a function of ``seeds[i]`` alone (not of the batch they share), to the
         rounding of the engine's arithmetic: in fp32 the other prompts' padding moves a logit by
         ~1e-7, so a sample flips almost never; a bf16 copy (``rollout.precision=bf16``) moves it
-        by ~4e-3 and a sample in a few hundred can differ with the batch."""
+        by ~4e-3 and a sample in a few hundred can differ with the batch. Not so for rotary
+        embeddings that adapt to the length (``dynamic``, ``longrope``): each call picks its
+        frequencies from the batch's largest position, so a short prompt's log-probs follow
+        the longest prompt it is sampled with (docs/corrections.md)."""
         ...
 
     def sync_weights(self, policy: Any) -> None:

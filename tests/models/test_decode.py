@@ -28,6 +28,14 @@ def _model(kind: str, seed: int = 0):
     elif kind == "llama_dynamic":  # rope that adapts to the length seen: computed per step
         cfg = LlamaConfig(**{**SIZES, "max_position_embeddings": 12},
                           rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    elif kind == "llama_bias_tied":  # biases on every projection, tied output layer, llama3 rope
+        cfg = LlamaConfig(**SIZES, attention_bias=True, mlp_bias=True, tie_word_embeddings=True,
+                          rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                        "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                        "original_max_position_embeddings": 16})
+    elif kind == "llama_yarn":  # rope with an attention scaling folded into cos/sin
+        cfg = LlamaConfig(**SIZES, rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                 "original_max_position_embeddings": 32})
     elif kind == "qwen2":  # biases on q/k/v
         cfg = Qwen2Config(**SIZES)
     elif kind in MOE:  # sparse layers: the attention above, the MoE block as its module
@@ -52,7 +60,8 @@ needs_onednn = pytest.mark.skipif(not onednn_available(), reason="no oneDNN in t
 
 @pytest.mark.parametrize("packed", [False, pytest.param(True, marks=needs_onednn)])
 @pytest.mark.parametrize("fuse", [True, False])
-@pytest.mark.parametrize("kind", ["llama", "llama_dynamic", "qwen2", "qwen3", *MOE])
+@pytest.mark.parametrize("kind", ["llama", "llama_dynamic", "llama_bias_tied", "llama_yarn",
+                                  "qwen2", "qwen3", *MOE])
 def test_decode_steps_equal_forward_with_padding_and_dropped_rows(kind, fuse, packed):
     """Plain (F.linear) and oneDNN-packed products alike, the packed ones with rows dropped
     below the batch size their weights were packed for."""
@@ -218,6 +227,24 @@ def test_models_it_does_not_cover_are_named_and_fall_back_to_forward():
     roll = generate(other, [[3, 4, 5]], group_size=2, params=SamplingParams(4), eos=[1], pad_id=0,
                     generator=torch.Generator().manual_seed(0))
     assert len(roll) == 2
+
+
+def test_mixtral_with_a_sliding_window_falls_back_to_forward():
+    """Mixtral's config has no use_sliding_window or layer_types: its forward applies
+    config.sliding_window to every layer, which the lean passes do not (the fast path sampled
+    other tokens than forward once a sequence outgrew the window)."""
+    cfg = tiny_moe_config("mixtral", vocab_size=97, hidden_size=48, num_layers=2, num_experts=4,
+                          top_k=2, num_heads=6, num_kv_heads=2, sliding_window=4)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    runs = [generate(model, [[5, 6, 7, 8, 9, 10, 11, 12, 13], [12, 13]], group_size=2,
+                     params=SamplingParams(max_new_tokens=10), eos=[], pad_id=0,
+                     generator=torch.Generator().manual_seed(0), fast_decode=fast)
+            for fast in (True, False)]
+    assert runs[0].response_ids == runs[1].response_ids
+    for a, b in zip(runs[0].logprobs, runs[1].logprobs):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    assert "sliding" in (unsupported(model) or "")
 
 
 def test_lora_wrapped_projections_fall_back():
