@@ -87,7 +87,8 @@ class TaskConfig:
     eval_size: int = _f(100, "number of held-out problems evaluated before and after training")
     path: str = _f("", "task.name=jsonl: JSONL file; task.name=dataset: local JSON/JSONL/CSV/"
                    "Parquet file or folder, or a Hub dataset name (needs network)")
-    subset: str = _f("", "task.name=dataset: Hub configuration name (e.g. 'main' for gsm8k); "
+    subset: str = _f("", "task.name=dataset: the configuration of a Hub dataset or of a local copy "
+                     "of one (e.g. 'main' for gsm8k); "
                      "task.name=reasoning_gym: the reasoning-gym dataset (e.g. 'chain_sum')")
     options: dict[str, Any] = _f(
         {}, "task.name=reasoning_gym: fields of the dataset's config (difficulty), passed "

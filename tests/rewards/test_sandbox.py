@@ -80,6 +80,19 @@ def _started_in_our_run(pid: int, uid: int) -> bool:
     return any(u == uid and first <= started <= last for u, first, last in _RUNS)
 
 
+def _multiprocessing_helper(pid: str) -> bool:
+    """Whether ``pid`` is multiprocessing's resource tracker or forkserver: started once by an
+    earlier test of the session that spawned a process (an async engine), and kept for the
+    life of the test process by design; the sandbox starts neither."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read()
+    except OSError:
+        return False
+    return any(b"from multiprocessing.%s import main" % m in cmd
+               for m in (b"resource_tracker", b"forkserver"))
+
+
 def _leftover_processes() -> list[str]:
     """Live children of this test process, and any process of a dedicated sandbox uid that
     started during one of this process's sandbox runs."""
@@ -94,7 +107,7 @@ def _leftover_processes() -> list[str]:
         except OSError:
             continue
         state, ppid = fields[0], int(fields[1])
-        if ppid == me and state != b"Z":
+        if ppid == me and state != b"Z" and not _multiprocessing_helper(entry):
             found.append(f"child {entry}")
     for uid in _sandbox_uids():
         found += [f"uid {uid}: pid {pid}" for pid in identity._sandbox_processes(uid)
