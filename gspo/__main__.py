@@ -1,5 +1,5 @@
 import sys
 
-from gspo.cli import main
+from gspo.cli import entry
 
-sys.exit(main())
+sys.exit(entry())

@@ -7,6 +7,7 @@ error must be raised before the model is loaded.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -478,3 +479,31 @@ def test_a_path_that_is_not_a_folder_is_a_one_line_error(capsys, tmp_path):
     out, err = capsys.readouterr()
     assert err.startswith("gspo plot: error: ") and len(err.splitlines()) == 1
     assert "Traceback" not in out + err
+
+
+@pytest.mark.parametrize("preset", [None, "random", "7"])
+def test_the_gspo_command_fixes_string_hashing(preset):
+    """`gspo` (here `entry`, what the console script and `python -m gspo` call) without
+    PYTHONHASHSEED starts itself again with PYTHONHASHSEED=0, so every process of a run
+    hashes strings alike (reasoning-gym datasets that draw in set order drew other problems
+    in each process); a value the user set is kept, and the command runs once."""
+    import subprocess
+
+    code = ("import os, sys\nfrom gspo.cli import entry\n"
+            "print('hash', os.environ.get('PYTHONHASHSEED'), hash('gspo'), flush=True)\n"
+            "sys.argv = ['gspo', 'nope']\nsys.exit(entry())\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+    if preset is not None:
+        env["PYTHONHASHSEED"] = preset
+    runs = [subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                           text=True, timeout=120) for _ in range(2)]
+    for r in runs:
+        assert r.returncode == 2 and "unknown command 'nope'" in r.stderr, r.stderr
+    lines = [[ln.split() for ln in r.stdout.splitlines() if ln.startswith("hash")] for r in runs]
+    if preset is None:
+        assert [ln[-1][1] for ln in lines] == ["0", "0"]
+        assert [len(ln) for ln in lines] == [2, 2]  # the first pass, then the command again
+        assert lines[0][-1][2] == lines[1][-1][2]  # the same hashes in two processes
+    else:
+        assert [ln[0][1] for ln in lines] == [preset, preset]
+        assert [len(ln) for ln in lines] == [1, 1]

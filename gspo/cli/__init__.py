@@ -409,6 +409,22 @@ commands:
 `gspo train --help` lists every config key."""
 
 
+def entry() -> int:
+    """The ``gspo`` command (and ``python -m gspo``): :func:`main` in a process whose string
+    hashing is fixed. Without ``PYTHONHASHSEED`` in the environment it sets it to 0 and starts
+    the same command again, so every process of a run (torchrun's ranks, a resumed run, each
+    arm of a comparison, the engine processes, which inherit it) iterates sets of strings in
+    one order: some reasoning-gym datasets draw their problems in that order, and drew other
+    problems in every process. ``PYTHONHASHSEED=random`` (or any value) set by the user is
+    kept."""
+    if "PYTHONHASHSEED" not in os.environ and getattr(sys, "orig_argv", None):
+        os.environ["PYTHONHASHSEED"] = "0"
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execv(sys.executable, sys.orig_argv)
+    return main()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):

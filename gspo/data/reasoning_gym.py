@@ -23,6 +23,8 @@ Install with ``pip install 'gspo[reasoning_gym]'``; it is imported when the task
 from __future__ import annotations
 
 import hashlib
+import os
+import warnings
 from typing import Any
 
 from gspo.config import import_optional
@@ -90,6 +92,13 @@ class ReasoningGymTask:
     """
 
     def __init__(self, name: str, options: dict[str, Any], eval_size: int, seed: int) -> None:
+        if os.environ.get("PYTHONHASHSEED", "random") == "random":
+            warnings.warn("task.name=reasoning_gym in a process whose string hashing is random "
+                          "(PYTHONHASHSEED unset): some reasoning-gym datasets (ransom_note, "
+                          "word_ladder, ...) draw their problems in the order of Python sets, so "
+                          "another process (a torchrun rank, a resumed run, another arm of a "
+                          "comparison) draws other problems with the same seed; the gspo command "
+                          "sets PYTHONHASHSEED=0, from Python start with it set", stacklevel=2)
         self.name, self.options = name, dict(options)
         self.train = _Stream(name, self.options, f"train-{seed}")
         self.index = 0

@@ -134,3 +134,17 @@ def test_without_the_package_the_task_says_what_to_install(monkeypatch):
     with pytest.raises(MissingPackage, match=r"^task.name=reasoning_gym needs the reasoning-gym "
                                              r"package \(pip install 'gspo\[reasoning_gym\]'\)$"):
         build_task(TaskConfig(name="reasoning_gym", subset="chain_sum", eval_size=2), seed=0)
+
+
+def test_random_string_hashing_is_warned_of(monkeypatch):
+    """Some reasoning-gym datasets draw in the order of Python sets: in a process whose string
+    hashing is random, the task says so (the gspo command fixes it, see test_cli)."""
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    with pytest.warns(UserWarning, match="PYTHONHASHSEED unset"):
+        _task("chain_sum", eval_size=2)
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _task("chain_sum", eval_size=2)
