@@ -303,6 +303,19 @@ def write_report(summary: dict[str, Any], runs: dict[str, dict[int, Path]],
         "## Per seed", _per_seed_table(summary), "## Plots", images,
         "## Base run config", f"```yaml\n{summary['base_config']}```"])
     atomic_write_text(out_dir / "results.md", text + "\n")
-    atomic_write_text(out_dir / "summary.json", json.dumps(summary, indent=2, default=str))
+    atomic_write_text(out_dir / "summary.json",
+                      json.dumps(_finite_or_null(summary), indent=2, default=str, allow_nan=False))
     return pngs
 
+
+def _finite_or_null(value: Any) -> Any:
+    """``value`` with every NaN or infinite float as None: ``summary.json`` is strict JSON
+    (``null`` where a seed's figure is missing or a spread needs two seeds), as
+    ``metrics.jsonl`` is, which JavaScript's ``JSON.parse`` and other strict readers accept."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_or_null(v) for v in value]
+    return value

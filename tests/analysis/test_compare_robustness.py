@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from gspo.analysis import compare
-from gspo.analysis.report import _cell, _stats, markdown_table, summarize
+from gspo.analysis.report import _cell, _stats, markdown_table, summarize, write_report
 from gspo.analysis.spec import Arm, load_spec
 from gspo.cli import main
 from gspo.config import ConfigError, TrainConfig, to_dict
@@ -214,6 +214,17 @@ def test_a_cell_says_how_many_seeds_have_a_value(tmp_path):
     assert by_title["wall time / run (s)"] == "10 ± 0"
     assert _cell(_stats([0.005, math.nan])) == "5.0e-03 ± — (n=1/2)"
     assert _cell(_stats([0.5])) == "0.500 ± —"  # one seed in all: no sd, no count
+    # summary.json is strict JSON: null, not a bare NaN, where a figure is missing
+    summary.update(total_wall_s=30.0, machine={"cpus": 2, "load_average": 1.0}, probe={},
+                   base_config="steps: 1\n")
+    write_report(summary, {"a": runs}, tmp_path / "out")
+
+    def refuse(constant: str) -> None:
+        raise ValueError(f"summary.json holds {constant}")
+
+    saved = json.loads((tmp_path / "out" / "summary.json").read_text(), parse_constant=refuse)
+    assert saved["arms"]["a"]["stats"]["clip_frac_tokens"]["sd"] is None
+    assert saved["arms"]["a"]["stats"]["final_reward"]["mean"] == pytest.approx(0.5)
 
 
 # ------------------------------------------------------- D: overrides compare would replace; dups
