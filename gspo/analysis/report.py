@@ -237,8 +237,13 @@ def markdown_table(summary: dict[str, Any]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for arm in summary["arms"].values():
         cells = [_cell(arm["stats"][key], 0 if key == "wall_s" else None) for key, _ in columns]
-        lines.append("| " + " | ".join([arm["label"], *cells]) + " |")
+        lines.append("| " + " | ".join([_escape(arm["label"]), *cells]) + " |")
     return "\n".join(lines)
+
+
+def _escape(label: str) -> str:
+    """An arm's label as one markdown table cell (a ``|`` in it would start another)."""
+    return label.replace("|", "\\|")
 
 
 def _per_seed_table(summary: dict[str, Any]) -> str:
@@ -251,7 +256,7 @@ def _per_seed_table(summary: dict[str, Any]) -> str:
     lines = ["| arm | seed | " + " | ".join(keys) + " |", "|" + "---|" * (len(keys) + 2)]
     for arm in summary["arms"].values():
         for seed, r in arm["runs"].items():
-            lines.append(f"| {arm['label']} | {seed} | "
+            lines.append(f"| {_escape(arm['label'])} | {seed} | "
                          + " | ".join(_fmt(r[k]) for k in keys) + " |")
     return "\n".join(lines)
 

@@ -20,7 +20,14 @@ import pytest
 import yaml
 
 from gspo.analysis import compare
-from gspo.analysis.report import _cell, _stats, markdown_table, summarize, write_report
+from gspo.analysis.report import (
+    _cell,
+    _per_seed_table,
+    _stats,
+    markdown_table,
+    summarize,
+    write_report,
+)
 from gspo.analysis.spec import Arm, load_spec
 from gspo.cli import main
 from gspo.config import ConfigError, TrainConfig, to_dict
@@ -200,6 +207,10 @@ def test_a_cell_says_how_many_seeds_have_a_value(tmp_path):
     spec = SimpleNamespace(path=tmp_path / "x.yaml", seeds=[0, 1, 2],
                            arms=[Arm("a", "A", [])])
     summary = summarize(spec, {"a": runs}, {})
+    summary["arms"]["a"]["label"] = "A|B"  # one cell: the pipe escaped
+    assert markdown_table(summary).splitlines()[-1].startswith("| A\\|B | ")
+    assert "| A\\|B | 0 |" in _per_seed_table(summary)
+    summary["arms"]["a"]["label"] = "A"
     stats = summary["arms"]["a"]["stats"]
     assert (stats["clip_frac_tokens"]["n"], stats["clip_frac_tokens"]["of"]) == (1, 3)
     assert math.isnan(stats["clip_frac_tokens"]["sd"])  # one value: no sd (it was 0.0)
