@@ -246,8 +246,9 @@ class ObjectiveConfig:
     eps_high: float = _f(4e-4, "upper clip range ε_high (GSPO paper: 4e-4; GRPO: 0.27)")
     beta: float = _f(0.0, "k3 KL penalty coefficient to the initial (reference) policy")
     advantage: str = _f("grpo", "advantage estimator (see gspo.objectives.ADVANTAGES)")
-    scale_rewards: Literal["group", "batch", "none"] = _f(
-        "group", "divide advantages by the group std, the batch std, or nothing")
+    scale_rewards: Literal["auto", "group", "batch", "none"] = _f(
+        "auto", "divide advantages by the group std, the batch std, or nothing; auto: the "
+        "estimator's own (grpo: group, rloo: none, reinforce_pp_baseline: batch)")
     num_minibatches: int = _f(4, "minibatches per rollout batch (paper: 4)")
     epochs: int = _f(1, "passes over each rollout batch")
     old_logprobs: Literal["recompute", "rollout", "decoupled"] = _f(

@@ -7,6 +7,7 @@ rule in :data:`ROW_WEIGHTS`) and every advantage estimator in :data:`ADVANTAGES`
 
 from gspo.objectives.advantages import (
     SCALES,
+    compute_advantages,
     group_stats,
     grpo_advantages,
     reinforce_pp_baseline_advantages,
@@ -91,6 +92,7 @@ __all__ = [
     "bind_objective",
     "cispo_loss",
     "clip_cov_loss",
+    "compute_advantages",
     "dppo_kl_loss",
     "dppo_tv_loss",
     "gmpo_loss",

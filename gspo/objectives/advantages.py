@@ -25,6 +25,7 @@ from gspo.objectives.registry import ADVANTAGES
 
 __all__ = [
     "SCALES",
+    "compute_advantages",
     "group_stats",
     "grpo_advantages",
     "reinforce_pp_baseline_advantages",
@@ -32,6 +33,16 @@ __all__ = [
 ]
 
 SCALES = ("group", "batch", "none")
+
+
+def compute_advantages(name: str, rewards: Tensor, group_size: int, *,
+                       scale: str = "auto") -> Tensor:
+    """``ADVANTAGES[name](rewards, group_size, scale=scale)``; ``scale="auto"`` (the config's
+    default) leaves the estimator its own scale (its signature's default: ``group`` for
+    ``grpo``, ``none`` for ``rloo``, ``batch`` for ``reinforce_pp_baseline``), so naming an
+    estimator gives its paper's advantages rather than ``grpo``'s division by the group std."""
+    fn = ADVANTAGES[name]
+    return fn(rewards, group_size) if scale == "auto" else fn(rewards, group_size, scale=scale)
 
 
 def _grouped(rewards: Tensor, group_size: int) -> tuple[Tensor, Tensor]:

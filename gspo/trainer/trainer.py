@@ -51,7 +51,7 @@ from gspo.models.onednn import pays as onednn_pays
 from gspo.models.packing import shared_prefix_logprobs
 from gspo.models.tokens import eos_ids
 from gspo.models.train_noise import disable_train_noise
-from gspo.objectives import ADVANTAGES, group_stats, objective_from_config
+from gspo.objectives import ADVANTAGES, compute_advantages, group_stats, objective_from_config
 from gspo.rewards import RewardError, RewardScorer
 from gspo.rewards.shaping import add_overlong, without_overlong
 from gspo.rollout import (
@@ -723,12 +723,12 @@ class Trainer:
         which has none, computes them."""
         o = self.cfg.objective
         if self.stand_ins is None:
-            adv = ADVANTAGES[o.advantage](rewards, roll.group_size, scale=o.scale_rewards)
+            adv = compute_advantages(o.advantage, rewards, roll.group_size,
+                                     scale=o.scale_rewards)
         else:
             adv = torch.zeros_like(rewards)
-            adv[~self.stand_ins] = ADVANTAGES[o.advantage](rewards[~self.stand_ins],
-                                                           roll.group_size,
-                                                           scale=o.scale_rewards)
+            adv[~self.stand_ins] = compute_advantages(o.advantage, rewards[~self.stand_ins],
+                                                      roll.group_size, scale=o.scale_rewards)
         first = self.dist.shard(len(rewards) // roll.group_size)[0] * roll.group_size
         return adv[first:first + len(roll)].to(self.dist.device)
 

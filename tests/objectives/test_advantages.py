@@ -117,3 +117,21 @@ def test_group_stats():
 def test_registry_entries():
     assert ADVANTAGES["grpo"] is grpo_advantages
     assert ADVANTAGES["rloo"] is rloo_advantages
+
+
+def test_the_configs_auto_scale_is_each_estimators_own():
+    """objective.scale_rewards defaults to auto: each estimator's paper's scale (with the old
+    default `group` passed to every estimator, reinforce_pp_baseline gave exactly grpo's
+    advantages and rloo divided by the group std)."""
+    from gspo.config import TrainConfig
+    from gspo.objectives import compute_advantages
+
+    assert TrainConfig().objective.scale_rewards == "auto"
+    r = torch.tensor([0.0, 1.0, 1.0, 3.0, 2.0, 2.0, 2.0, 5.0])
+    for name, own in [("grpo", "group"), ("rloo", "none"), ("reinforce_pp_baseline", "batch")]:
+        auto = compute_advantages(name, r, 4)
+        assert torch.equal(auto, ADVANTAGES[name](r, 4, scale=own)), name
+        assert torch.equal(compute_advantages(name, r, 4, scale="group"),
+                           ADVANTAGES[name](r, 4, scale="group"))
+    assert not torch.allclose(compute_advantages("reinforce_pp_baseline", r, 4),
+                              compute_advantages("grpo", r, 4))

@@ -309,13 +309,14 @@ def test_each_rank_takes_its_groups_advantages_when_a_capped_batch_splits_uneven
     from types import SimpleNamespace
 
     from gspo.config import TrainConfig
-    from gspo.objectives import ADVANTAGES
+    from gspo.objectives import compute_advantages
     from gspo.trainer.distributed import Dist
 
     cfg = TrainConfig()
     cfg.rollout.prompts_per_step, g = 4, 2
     rewards = torch.tensor([0.0, 1.0, 3.0, 5.0])  # 2 groups kept
-    want = ADVANTAGES[cfg.objective.advantage](rewards, g, scale=cfg.objective.scale_rewards)
+    want = compute_advantages(cfg.objective.advantage, rewards, g,
+                              scale=cfg.objective.scale_rewards)
     for rank in range(2):
         me = SimpleNamespace(cfg=cfg, dist=Dist(rank=rank, world_size=2), stand_ins=None)
         roll = Rollout([[1]] * g, [[2]] * g, [torch.zeros(1)] * g, [False] * g, g)
