@@ -22,7 +22,8 @@ Per run (definitions used in the table):
   response sampled, also those of dropped groups; without it ``reward/mean`` is that already);
 * engine mismatch, policy drift, staleness: step means of ``mismatch/*``, ``drift/*`` and
   ``async/*`` (see docs/corrections.md and docs/scaling.md);
-* wall time of the run (rollouts, updates and evaluations).
+* wall time of the run, start to end: loading the model, rollouts, updates, evaluations and
+  checkpoints.
 
 Each arm's cell is the mean ± sample standard deviation over the seeds that have a value;
 ``(n=k/N)`` follows it when only k of the arm's N seeds have one, and the sd is ``—`` when only
