@@ -6,8 +6,10 @@ back with ``weights_only=True``) and ``state.json`` (step, data position, RNG). 
 written under a temporary name, fsynced, then renamed; ``RUN/checkpoints/latest`` names the
 newest complete one and is replaced atomically too. A folder that must go (an older step pruned
 by ``keep``, or the same step written again) is first renamed to ``.old-*`` and only then
-deleted, so a ``step_*`` folder is never seen half-deleted either; a SIGKILL at any instant leaves
-every ``step_*`` folder complete (tests/trainer/test_crash_resume.py).
+deleted (a step written again: once its new folder is in place, and until then ``latest`` still
+finds the old one), so a ``step_*`` folder is never seen half-deleted either; a SIGKILL at any
+instant leaves every ``step_*`` folder complete and a checkpoint to resume from
+(tests/trainer/test_crash_resume.py, tests/trainer/test_resume_exact.py).
 """
 
 from __future__ import annotations
@@ -86,6 +88,11 @@ def save_checkpoint(root: Path, step: int, model: Any, tokenizer: Any, optim_sta
     """Write ``root/step_{step}`` atomically, point ``latest`` at it, keep the last ``keep``
     (and the folders named in ``protect``, e.g. the guard's last good checkpoint)."""
     root.mkdir(parents=True, exist_ok=True)
+    resumed_from = latest_checkpoint(root)
+    if resumed_from is not None and resumed_from.name.startswith(".old-"):
+        # a write of the same step was killed before its new folder was in place: the old one
+        # is the newest checkpoint, back under its name
+        os.replace(resumed_from, root / resumed_from.name.removeprefix(".old-"))
     for stale in [*root.glob(".tmp-step_*"), *root.glob(".old-step_*")]:  # a killed write's
         shutil.rmtree(stale, ignore_errors=True)
     name = f"step_{step:06d}"
@@ -98,27 +105,40 @@ def save_checkpoint(root: Path, step: int, model: Any, tokenizer: Any, optim_sta
     (tmp / "state.json").write_text(json.dumps(state))
     fsync_tree(tmp)
     _phase("complete", step)
-    if final.exists():  # re-saving the same step (e.g. after a resume): replace it whole
-        _discard(final)
+    aside = root / f".old-{name}"
+    if final.exists():  # re-saving the same step (e.g. after a resume): replace it whole,
+        # the old folder deleted only once the new one is in place (a kill in between leaves
+        # it whole, and latest_checkpoint reads it while no step folder of that name exists)
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(final, aside)
     os.replace(tmp, final)
     _fsync_dir(root)
+    shutil.rmtree(aside, ignore_errors=True)
     _phase("renamed", step)
     atomic_write_text(root / LATEST, name)
     _fsync_dir(root)
     _phase("pointed", step)
+    prune_checkpoints(root, keep, protect)
+    return final
+
+
+def prune_checkpoints(root: Path, keep: int, protect: tuple[str, ...] = ()) -> None:
+    """Delete the ``step_*`` folders but the newest ``keep`` and those named in ``protect``
+    (each set aside first, see :func:`_discard`)."""
     for old in sorted((p for p in root.glob("step_*") if p.is_dir()), key=_step_of)[:-keep]:
         if old.name not in protect:
             _discard(old)
-    return final
 
 
 def latest_checkpoint(root: Path) -> Path | None:
     """The newest complete checkpoint; leftovers of an interrupted write are ignored."""
     pointer = root / LATEST
     if pointer.is_file():
-        candidate = root / pointer.read_text().strip()
-        if (candidate / "state.json").is_file():
-            return candidate
+        name = pointer.read_text().strip()
+        # the folder itself, or while it is being saved again its old copy, set aside whole
+        for candidate in (root / name, root / f".old-{name}"):
+            if (candidate / "state.json").is_file():
+                return candidate
     done = sorted((p for p in root.glob("step_*") if (p / "state.json").is_file()),
                   key=_step_of)
     return done[-1] if done else None
@@ -187,6 +207,19 @@ def load_weights(model: Any, path: Path, load_state: Any = None) -> None:
 
 
 # ---------------------------------------------------------------------- RNG state beside torch's
+def seed_extra_rngs(seed: int) -> None:
+    """Seed Python's and NumPy's global RNGs with the run's seed, as ``torch.manual_seed``
+    seeds torch's: reward code that draws from them scores alike in two runs of one seed,
+    and a resumed run (which restores them, :func:`set_extra_rng_state`) continues the
+    uninterrupted run's draws."""
+    random.seed(seed)
+    try:
+        import numpy as np
+    except ImportError:
+        return
+    np.random.seed(seed % 2**32)
+
+
 def extra_rng_state() -> dict[str, Any]:
     """JSON-able states of Python's and NumPy's global RNGs (reward code may use them)."""
     version, internal, gauss = random.getstate()

@@ -12,6 +12,7 @@ import torch
 
 from gspo.data import DataError
 from gspo.rollout.batch import policy_tokens
+from gspo.trainer.checkpoint import atomic_write_text
 
 
 def to_float(v: Any) -> float:
@@ -156,10 +157,14 @@ class MetricsLogger:
         if not self.enabled:
             return
         if resume_step >= 0 and self.path.is_file():
-            # Drop lines logged after the checkpoint we resume from: they will be redone.
-            kept = [ln for ln in self.path.read_text().splitlines()
+            # Drop lines logged after the checkpoint we resume from: they will be redone. The
+            # file is replaced whole, and only when a line goes: a kill while it is written
+            # must not empty the run's log.
+            lines = self.path.read_text().splitlines()
+            kept = [ln for ln in lines
                     if ln.strip() and json.loads(ln).get("step", -1) <= resume_step]
-            self.path.write_text("".join(ln + "\n" for ln in kept))
+            if kept != lines:
+                atomic_write_text(self.path, "".join(ln + "\n" for ln in kept))
         mode = {True: "on", False: "off"}.get(tensorboard, tensorboard)
         if mode != "off":
             try:

@@ -82,7 +82,9 @@ from gspo.trainer.checkpoint import (
     latest_checkpoint,
     load_checkpoint_state,
     load_weights,
+    prune_checkpoints,
     save_checkpoint,
+    seed_extra_rngs,
     set_extra_rng_state,
 )
 from gspo.trainer.diagnostics import StepDiagnostics
@@ -258,6 +260,7 @@ class Trainer:
         if cfg.keep_freed_memory:
             keep_freed_memory()
         torch.manual_seed(cfg.seed)
+        seed_extra_rngs(cfg.seed)  # reward code may draw from them
         # Resolve everything that can fail on user input before touching the disk.
         distributed.resolve_device(cfg.device)  # device=cuda without a GPU: say so first
         resume_ckpt = self._resume_checkpoint()
@@ -591,16 +594,19 @@ class Trainer:
             state["async"] = self.async_rollout.state_dict()
             if self.dist.enabled:  # each rank sampled its own share of the prompts
                 state["async"]["ready"] = self.dist.gather_objects(state["async"]["ready"])
-        good = guard.last_good_step
         path = self.run_dir / "checkpoints" / f"step_{self.step:06d}"
         if self.dist.is_main:
             path = save_checkpoint(self.run_dir / "checkpoints", self.step, self.model,
                                    self.tokenizer, optim_state, state, self.cfg.keep_checkpoints,
-                                   protect=() if good is None else (f"step_{good:06d}",),
-                                   state_dict=model_state)
+                                   protect=self._protected(), state_dict=model_state)
         self.dist.barrier()
         self.saved_step = self.step
         return path
+
+    def _protected(self) -> tuple[str, ...]:
+        """The checkpoint folders pruning spares: the guard's last good one."""
+        good = self.reliability.guard.last_good_step
+        return () if good is None else (f"step_{good:06d}",)
 
     # ------------------------------------------------------------------ the step's phases
     def rollout(self, draw: int = 0) -> tuple[list[Any], Rollout]:
@@ -1308,6 +1314,10 @@ class Trainer:
                 self.logger.log(self.step, {f"eval/{k}": v for k, v in self.final_eval.items()})
             if self.cfg.save_final:
                 self.save_checkpoint()
+        elif self.dist.is_main:  # the final checkpoint's write may have been killed before it
+            # pruned the older ones
+            prune_checkpoints(self.run_dir / "checkpoints", self.cfg.keep_checkpoints,
+                              self._protected())
         result = {"steps": self.step, "before": self.baseline_eval, "after": self.final_eval,
                   "run_dir": str(self.run_dir)}
         if self.dist.is_main:
