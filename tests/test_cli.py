@@ -272,6 +272,27 @@ def test_resume_of_a_copied_run_or_from_another_directory_keeps_its_saved_name(
     assert "another one" in capsys.readouterr().err
 
 
+def test_resume_refuses_another_model(capsys, tmp_path):
+    """``resume=RUN model=OTHER``: the resumed policy is the checkpoint's, so OTHER was
+    silently unused (a nonexistent model resumed fine) or, with objective.beta > 0, became the
+    KL reference of a run that trained against its own model; train and validate refuse it,
+    and the run's own model, written as another path to the same folder, is no error."""
+    runs = tmp_path / "runs"
+    args = ["train", TINY, "steps=1", "eval_before=false", "task.eval_size=0",
+            "objective.beta=0.01", "rollout.prompts_per_step=1", "rollout.group_size=2",
+            "rollout.max_new_tokens=4", "objective.num_minibatches=1", f"output_dir={runs}",
+            "run_name=r"]
+    assert main(args) == 0
+    capsys.readouterr()
+    run = runs / "r"
+    for cmd in ("train", "validate"):
+        assert main([cmd, f"resume={run}", "model=tiny:mixtral", "steps=2"]) == 2
+        err = capsys.readouterr().err
+        assert "model=tiny:mixtral: resume=" in err and "whose model is tiny:llama" in err, err
+    assert main(["validate", f"resume={run}", "steps=2"]) == 0
+    capsys.readouterr()
+
+
 def test_resume_continues_with_the_runs_own_config(tmp_path, monkeypatch):
     """``gspo train resume=RUN`` (the line an interrupted run prints) continues the run with
     RUN/config.yaml, not with the defaults (which silently switched a GRPO run on a tiny model

@@ -113,6 +113,31 @@ def resume_checkpoint(resume: str) -> Path | None:
     return ckpt
 
 
+def check_resumed_model(cfg: TrainConfig) -> None:
+    """``resume=RUN`` with a ``model`` other than the run's own (``RUN/config.yaml``) is a
+    :class:`ConfigError`: the resumed policy is the checkpoint's, so the other model would be
+    silently unused, or become the KL reference (``objective.beta``) or the LoRA base of a
+    run that trained against another."""
+    if not cfg.resume:
+        return
+    saved = Path(cfg.resume) / "config.yaml"
+    if not saved.is_file():
+        return
+    import yaml
+
+    ran = (yaml.safe_load(saved.read_text()) or {}).get("model")
+    if ran is None or ran == cfg.model or _same_folder(str(ran), cfg.model):
+        return
+    raise ConfigError(f"model={cfg.model}: resume={cfg.resume} continues its run, whose model "
+                      f"is {ran} (its checkpoint's weights, LoRA base and KL reference); leave "
+                      "model out (where that model moved, edit model in the run's config.yaml)")
+
+
+def _same_folder(a: str, b: str) -> bool:
+    pa, pb = Path(a).expanduser(), Path(b).expanduser()
+    return pa.is_dir() and pb.is_dir() and pa.resolve() == pb.resolve()
+
+
 def new_run_folder(cfg: TrainConfig, name: str) -> Path:
     """The folder of a new run called ``name`` under ``output_dir``; one that already holds a
     run is a :class:`FileExistsError` (resume it, or pick another name)."""
@@ -137,6 +162,7 @@ def check_before_loading(cfg: TrainConfig) -> list[str]:
     from gspo.trainer.moe_hooks import policy_hooks
 
     resume_checkpoint(cfg.resume)
+    check_resumed_model(cfg)
     RewardScorer.from_specs(cfg.reward.functions, cfg.reward.weights)
     task_builder(cfg.task)
     TurnLoop.from_config(cfg.rollout, cfg.task, None)

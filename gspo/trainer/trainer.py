@@ -114,6 +114,7 @@ from gspo.trainer.setup_checks import (
     behaviour_routing,
     check_compile,
     check_engine_share,
+    check_resumed_model,
     check_unused_options,
     engine_options,
     new_run_folder,
@@ -264,6 +265,8 @@ class Trainer:
         # Resolve everything that can fail on user input before touching the disk.
         distributed.resolve_device(cfg.device)  # device=cuda without a GPU: say so first
         resume_ckpt = self._resume_checkpoint()
+        if self.model is None:  # loaded from cfg.model (or the checkpoint)
+            check_resumed_model(cfg)
         self.scorer = RewardScorer.from_specs(self.reward_specs, cfg.reward.weights)
         if self.train_dataset is not None:
             self.task = task_from_records(self.train_dataset, self.eval_dataset, cfg.task,
