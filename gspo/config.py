@@ -437,9 +437,9 @@ class TrainConfig:
         "Needs lean_forward=true, dtype=float32, compile_layers=false, not dist.strategy=fsdp2")
     gradient_checkpointing: bool = _f(False, "recompute activations in backward (saves memory)")
     disable_dropout: bool = _f(
-        True, "set the policy's dropout and MoE router jitter to zero when it is built: noise "
-        "drawn in training mode makes π_θ differ from π_old at θ = θ_old, more than GSPO's "
-        "clip range (false: keep the model's own, and lora.dropout)")
+        True, "set the policy's dropout, LayerDrop and MoE router jitter to zero when it is "
+        "built: noise drawn in training mode makes π_θ differ from π_old at θ = θ_old, more "
+        "than GSPO's clip range (false: keep the model's own, and lora.dropout)")
     save_every: int = _f(0, "checkpoint every k steps (0: only at the end)")
     save_final: bool = _f(
         True, "write a checkpoint at the end of the run (false: only metrics.jsonl and "

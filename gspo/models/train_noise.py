@@ -1,4 +1,4 @@
-"""Randomness a model applies only in training mode: dropout and MoE router jitter.
+"""Randomness a model applies only in training mode: dropout, LayerDrop and MoE router jitter.
 
 The trainer computes π_old without gradients and π_θ in training mode. Any noise that training
 mode adds makes π_θ ≠ π_old at θ = θ_old, so every ratio carries it: a dropout of 0.05 moves a
@@ -9,9 +9,10 @@ Three places hold such noise in a Hugging Face model:
 
 - ``torch.nn.Dropout`` modules (residual and MLP dropout, PEFT's ``lora_dropout``);
 - float attributes of modules read in ``forward`` (``attention_dropout``, passed to the attention
-  function; Mixtral's and MiniMax's router ``jitter_noise``);
-- the model's config (``attention_dropout``, ``router_jitter_noise``, ...), which some modules
-  read at call time.
+  function; Mixtral's and MiniMax's router ``jitter_noise``; the ``layerdrop`` of OPT's, XGLM's
+  and BioGPT's decoders, the probability of skipping a whole layer);
+- the model's config (``attention_dropout``, ``router_jitter_noise``, ``layerdrop``, ...), which
+  some modules read at call time.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 
 import torch
 
-_NOISY = ("dropout", "jitter")
+_NOISY = ("dropout", "jitter", "layerdrop")
 
 
 def _noisy_name(name: str) -> bool:

@@ -70,6 +70,26 @@ def test_router_jitter_is_found_and_disabled():
     assert torch.equal(_seq_log_ratio(model), torch.zeros(8))
 
 
+
+def test_layerdrop_is_found_and_disabled():
+    """LayerDrop (OPT, XGLM, BioGPT: ``config.layerdrop``, read by the decoder as its own
+    ``layerdrop``) skips whole layers at random in training mode, so π_θ ≠ π_old at
+    θ = θ_old; disable_dropout left it on (found nothing) and the first minibatch's forward
+    was taken as π_old."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    torch.manual_seed(0)
+    model = OPTForCausalLM(OPTConfig(
+        vocab_size=259, hidden_size=32, num_hidden_layers=4, ffn_dim=64, num_attention_heads=4,
+        word_embed_proj_dim=32, dropout=0.0, attention_dropout=0.0, layerdrop=0.5,
+        max_position_embeddings=64))
+    found = train_noise(model)
+    assert "config.layerdrop=0.5" in found and "model.decoder.layerdrop=0.5" in found
+    assert _seq_log_ratio(model).abs().max().item() > 3e-4
+    assert disable_train_noise(model) == found
+    assert train_noise(model) == []
+    assert torch.equal(_seq_log_ratio(model), torch.zeros(8))
+
 def test_lora_dropout_needs_disable_dropout_false():
     with pytest.raises(ConfigError, match=r"lora\.dropout > 0 is unused with disable_dropout"):
         load_config(None, ["lora.r=4", "lora.dropout=0.05"])
