@@ -291,6 +291,10 @@ def test_resume_refuses_another_model(capsys, tmp_path):
         assert "model=tiny:mixtral: resume=" in err and "whose model is tiny:llama" in err, err
     assert main(["validate", f"resume={run}", "steps=2"]) == 0
     capsys.readouterr()
+    # LoRA on for a run that trained its full weights: a one-line error (it was a raw
+    # FileNotFoundError for adapter_config.json)
+    assert main(["train", f"resume={run}", "lora.r=4", "steps=2"]) == 2
+    assert "lora.r=4: resume=" in capsys.readouterr().err
 
 
 def test_resume_continues_with_the_runs_own_config(tmp_path, monkeypatch):

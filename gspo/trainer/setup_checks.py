@@ -117,7 +117,8 @@ def check_resumed_model(cfg: TrainConfig) -> None:
     """``resume=RUN`` with a ``model`` other than the run's own (``RUN/config.yaml``) is a
     :class:`ConfigError`: the resumed policy is the checkpoint's, so the other model would be
     silently unused, or become the KL reference (``objective.beta``) or the LoRA base of a
-    run that trained against another."""
+    run that trained against another. So is turning LoRA on or off (``lora.r``): the
+    checkpoint holds an adapter or full weights, not the other."""
     if not cfg.resume:
         return
     saved = Path(cfg.resume) / "config.yaml"
@@ -125,7 +126,14 @@ def check_resumed_model(cfg: TrainConfig) -> None:
         return
     import yaml
 
-    ran = (yaml.safe_load(saved.read_text()) or {}).get("model")
+    ran_cfg = yaml.safe_load(saved.read_text()) or {}
+    ran_lora = int((ran_cfg.get("lora") or {}).get("r", 0) or 0)
+    if (ran_lora > 0) != (cfg.lora.r > 0):
+        kind = f"a LoRA adapter (lora.r={ran_lora})" if ran_lora else "its full weights (lora.r=0)"
+        raise ConfigError(f"lora.r={cfg.lora.r}: resume={cfg.resume} continues a run that "
+                          f"trained {kind}, so its checkpoint holds that; resume with the run's "
+                          "own lora.r")
+    ran = ran_cfg.get("model")
     if ran is None or ran == cfg.model or _same_folder(str(ran), cfg.model):
         return
     raise ConfigError(f"model={cfg.model}: resume={cfg.resume} continues its run, whose model "
