@@ -900,6 +900,9 @@ def _validate_task_fields(t: TaskConfig) -> None:
         _check(getattr(t, name) == getattr(default, name),
                f"task.{name} is used only by task.name={' or '.join(readers)} "
                f"(task.name={t.name})")
+    _check(t.eval_size > 0 or not t.eval_levels,
+           "task.eval_levels are the levels of the held-out problems; task.eval_size=0 holds "
+           "out none")
     held_out = (t.name == "jsonl" and t.eval_path) or (t.name == "dataset" and t.eval_split)
     _check(not held_out or t.eval_size == default.eval_size,
            "task.eval_size sizes the problems held out of task.path; it is unused with a held-out "
@@ -951,6 +954,9 @@ def load_sft_config(path: str | Path | None = None,
     _check(cfg.eval_size >= 0 and cfg.warmup_steps >= 0,
            "sft.eval_size/warmup_steps must be >= 0")
     _check(cfg.num_threads >= 0, "sft.num_threads must be >= 0 (0: torch's default)")
+    _check(cfg.chat_template or not cfg.system_prompt,
+           "sft.system_prompt goes into the chat template: it is unused with "
+           "sft.chat_template=false")
     return cfg
 
 

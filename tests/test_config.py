@@ -326,6 +326,8 @@ def test_yaml_timestamp_like_override_is_a_string_or_error():
     (["task.name=jsonl", "task.path=x", "task.eval_path=y", "task.eval_size=5"],
      "task.eval_size sizes the problems held out"),
     (["task.chat_template=false", "task.system_prompt=Be brief."], "task.system_prompt goes"),
+    (["task.eval_size=0", "task.eval_levels=[3]"], "task.eval_levels are the levels of the "
+                                                   "held-out problems; task.eval_size=0"),
     # values that used to pass and fail late (or act oddly)
     (["num_threads=-1"], "num_threads must be >= 0"),
     (["rollout.eval_max_new_tokens=0"], "rollout.eval_max_new_tokens must be >= 1"),

@@ -233,9 +233,10 @@ def policy_hooks(model: Any, cfg: MoEConfig, caps: EngineCapabilities, *,
     """The hooks for ``model``: :class:`MoEHooks` for a supported MoE policy, :data:`NO_MOE`
     for a dense one and for an MoE family without an adapter in :mod:`gspo.models.moe` (it
     trains like a dense policy: no routing metrics, no replay); MoE options on a dense model,
-    options that hook the routers (replay, aux loss, router lr) on an MoE family without an
-    adapter, or R3 with an engine that cannot record routing, are a :class:`ConfigError`
-    (``engine``, ``name``: the engine's and the model's names, for the message)."""
+    options that hook the routers (replay, aux loss, router lr, routing-change logging) on an
+    MoE family without an adapter, or R3 with an engine that cannot record routing, are a
+    :class:`ConfigError` (``engine``, ``name``: the engine's and the model's names, for the
+    message)."""
     if not is_moe(model):
         if (cfg.routing_replay != "off" or cfg.aux_loss_coef > 0 or cfg.router_lr_scale != 1
                 or not cfg.log_routing_change):
@@ -247,7 +248,8 @@ def policy_hooks(model: Any, cfg: MoEConfig, caps: EngineCapabilities, *,
         asked = [opt for opt, on in (
             (f"moe.routing_replay={cfg.routing_replay}", cfg.routing_replay != "off"),
             (f"moe.aux_loss_coef={cfg.aux_loss_coef:g}", cfg.aux_loss_coef > 0),
-            (f"moe.router_lr_scale={cfg.router_lr_scale:g}", cfg.router_lr_scale != 1)) if on]
+            (f"moe.router_lr_scale={cfg.router_lr_scale:g}", cfg.router_lr_scale != 1),
+            ("moe.log_routing_change=false", not cfg.log_routing_change)) if on]
         if asked:
             family = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
             raise ConfigError(f"{', '.join(asked)}: {name} is a Mixture-of-Experts model of "

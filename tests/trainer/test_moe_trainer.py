@@ -353,7 +353,7 @@ def test_an_moe_family_without_an_adapter_trains_like_a_dense_model(tmp_path):
 
 
 @pytest.mark.parametrize("option", ["moe.routing_replay=r2", "moe.aux_loss_coef=0.01",
-                                    "moe.router_lr_scale=2"])
+                                    "moe.router_lr_scale=2", "moe.log_routing_change=false"])
 def test_router_options_on_an_moe_family_without_an_adapter_are_an_error(tmp_path, option):
     folder = _unsupported_moe_folder(tmp_path)
     cfg = load_config(None, [f"model={folder}", option, f"output_dir={tmp_path / 'out'}"])

@@ -49,6 +49,15 @@ def test_the_unread_fused_key_is_refused_and_cache_keys_stay():
     assert config_hash(SFTConfig(base="tiny:deep_moe", steps=700)) == "81ae6a50a0f61e93"
 
 
+def test_sft_system_prompt_without_chat_template_is_refused():
+    """The system prompt goes into the chat template only: with chat_template=false it was
+    accepted and silently dropped (the prompts were the same token ids)."""
+    with pytest.raises(ConfigError, match=r"^sft\.system_prompt goes into the chat template"):
+        load_sft_config(None, ["chat_template=false", "system_prompt=Answer briefly."])
+    assert load_sft_config(None, ["chat_template=false"]).system_prompt == ""
+    assert load_sft_config(None, ["system_prompt=Answer briefly."]).chat_template
+
+
 def test_bad_sft_config_is_one_line_error():
     with pytest.raises(ConfigError, match=r"sft\.levels"):
         load_sft_config(None, ["levels=[9]"])
