@@ -152,11 +152,13 @@ class RolloutConfig:
         "hf", "rollout engine (gspo.rollout.ENGINES): 'hf' (own KV-cached sampler), 'vllm' or "
         "'llamacpp' (llama.cpp on Q8_0 weights)")
     fast_decode: bool = _f(
-        True, "engine=hf: prefill and decode steps of Llama/Qwen2/Qwen3 models and their MoE "
+        True, "gspo's sampler (engine=hf, and evaluation with any engine): prefill and decode "
+        "steps of Llama/Qwen2/Qwen3 models and their MoE "
         "siblings Mixtral/Qwen2-MoE/Qwen3-MoE skip forward()'s per-call overhead (same "
         "arithmetic; other models always use forward)")
     decode_matmul: Literal["auto", "blas", "onednn"] = _f(
-        "auto", "engine=hf with fast_decode: the decode steps' matrix products through 'blas' "
+        "auto", "gspo's sampler (engine=hf, and evaluation with any engine) with fast_decode: "
+        "the decode steps' matrix products through 'blas' "
         "(F.linear: MKL on x86) or 'onednn' (weights packed once per rollout for oneDNN; CPU "
         "only; float32: SmolLM2 rollouts 1.5-2.1x faster on the 2-core CI machine, same "
         "numbers to fp32 rounding; bfloat16 (rollout.precision=bf16, dtype=bfloat16) where "
@@ -711,9 +713,9 @@ def validate(cfg: TrainConfig) -> None:
     _check(r.precision == "fp32" or (r.engine == "hf" and cfg.dtype == "float32"),
            "rollout.precision=bf16 needs rollout.engine=hf and dtype=float32 (a bfloat16 copy "
            "of the fp32 policy)")
-    _check(r.decode_matmul == "auto" or (r.engine == "hf" and r.fast_decode),
-           f"rollout.decode_matmul={r.decode_matmul} needs rollout.engine=hf and "
-           "rollout.fast_decode=true (it picks the kernels of gspo's own decode steps)")
+    _check(r.decode_matmul == "auto" or r.fast_decode,
+           f"rollout.decode_matmul={r.decode_matmul} needs rollout.fast_decode=true (it picks "
+           "the kernels of gspo's own decode steps: rollout.engine=hf's and evaluation's)")
     _check(r.decode_matmul != "onednn" or not cfg.device.startswith("cuda"),
            "rollout.decode_matmul=onednn needs the CPU (device=cpu or auto without a GPU)")
     _check(0 < r.vllm_memory_fraction <= 1, "rollout.vllm_memory_fraction must be in (0, 1]")

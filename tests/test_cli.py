@@ -416,6 +416,9 @@ def test_validate_checks_the_model_name_without_loading_it(capsys, tmp_path, mod
     (["model=tiny:qwen3_moe", "rollout.engine=llamacpp", "moe.routing_replay=r3"],
      "moe.routing_replay=r3 needs rollout-recorded routing"),
     (["task.eval_size=0", "eval_every=2"], "eval_every=2: there is no held-out set"),
+    # gspo's own sampler decodes only evaluation when another engine samples the rollouts
+    (["rollout.engine=llamacpp", "rollout.decode_matmul=blas", "task.eval_size=0",
+      "eval_before=false"], "rollout.decode_matmul=blas: there is no held-out set"),
     (["objective.old_logprobs=rollout", "logging.rollout_check_every=0",
       "guard.collapse_entropy_floor=0.5"], "guard.collapse_entropy_floor=0.5: train/entropy"),
     (["rollout.async_steps=1", "rollout.async_engines=5"],
@@ -449,6 +452,8 @@ def test_validate_says_what_it_leaves_to_train(capsys):
     assert "not checked: logging.rollout_check_every=2: this run recomputes" in out
     assert "under torchrun" in out and out.endswith("defaults: ok\n")
     assert main(["validate", "model=sft:tiny_moe", "moe.routing_replay=r2"]) == 0
+    # evaluation decodes with gspo's sampler whatever the engine: its kernels may be chosen
+    assert main(["validate", TINY, "rollout.engine=llamacpp", "rollout.decode_matmul=blas"]) == 0
     assert main(["validate", TINY, "rollout.async_steps=1", "logging.rollout_check_every=2",
                  "task.eval_size=0", "eval_before=false"]) == 0
     capsys.readouterr()

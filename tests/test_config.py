@@ -303,7 +303,6 @@ def test_yaml_timestamp_like_override_is_a_string_or_error():
     (["keep_checkpoints=0"], "keep_checkpoints"),
     (["rollout.temperature=nan"], "rollout.temperature"),
     (["rollout.decode_matmul=blas", "rollout.fast_decode=false"], "rollout.decode_matmul=blas"),
-    (["rollout.decode_matmul=onednn", "rollout.engine=vllm"], "rollout.decode_matmul=onednn"),
     (["rollout.decode_matmul=onednn", "device=cuda:0"], "rollout.decode_matmul=onednn"),
     (["rollout.decode_matmul=mkl"], "rollout.decode_matmul"),
     (["compile_layers=true", "lean_forward=false"], "compile_layers=true"),

@@ -83,13 +83,20 @@ def check_unused_options(cfg: TrainConfig, *, moe: bool, pipeline: bool,
                           "logging.rollout_check_every=0, logging.drift_every=0); set "
                           "logging.rollout_check_every > 0")
     if has_eval is False:
+        # evaluation decodes with gspo's own sampler whatever rollout.engine samples with
+        own = [] if cfg.rollout.engine == "hf" else [
+            ("rollout.fast_decode", cfg.rollout.fast_decode, RolloutConfig.fast_decode),
+            ("rollout.decode_matmul", cfg.rollout.decode_matmul, RolloutConfig.decode_matmul)]
         for key, value, default in (
                 ("eval_every", cfg.eval_every, TrainConfig.eval_every),
                 ("rollout.eval_max_new_tokens", cfg.rollout.eval_max_new_tokens,
-                 RolloutConfig.eval_max_new_tokens)):
+                 RolloutConfig.eval_max_new_tokens), *own):
             if value != default:
+                why = (f" (rollout.engine={cfg.rollout.engine} samples the rollouts; gspo's "
+                       "own sampler decodes only evaluation)" if key.endswith("_decode")
+                       or key.endswith("matmul") else "")
                 raise ConfigError(f"{key}={value}: there is no held-out set to evaluate "
-                                  "(task.eval_size=0, or no eval rows)")
+                                  f"(task.eval_size=0, or no eval rows){why}")
 
 
 def check_engine_share(cfg: TrainConfig, world: int) -> None:
