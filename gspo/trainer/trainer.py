@@ -709,6 +709,7 @@ class Trainer:
         columns: dict[str, list] = {"answer": [ex.answer for ex in examples for _ in range(g)]}
         for key in examples[0].columns:
             columns[key] = [ex.columns.get(key) for ex in examples for _ in range(g)]
+        before = dict(self.scorer.failures)
         total, per_fn = self.scorer(prompts, completions, columns, response_tokens=policy_tokens(
             roll.response_ids, roll.model_mask))
         # Every rank's rewards in prompt order: batch-scaled advantages, the reward metrics and
@@ -716,14 +717,33 @@ class Trainer:
         rewards, _ = self.dist.gather(torch.tensor(total, dtype=torch.float32))
         unscorable = float(torch.isnan(rewards).float().mean())
         if unscorable > self.cfg.reward.max_unscorable_frac:
-            first = next(iter(self.scorer.first_errors.values()), "reward returned None")
             raise RewardError(f"{unscorable:.0%} of responses could not be scored "
-                              f"(> reward.max_unscorable_frac); first error: "
-                              f"{first.strip().splitlines()[-1]}")
+                              f"(> reward.max_unscorable_frac); "
+                              f"{self._unscorable_cause(per_fn, before)}")
         parts = {k: self.dist.gather(torch.tensor(v, dtype=torch.float32))[0]
                  for k, v in per_fn.items()}
         self.last_samples = (prompts, completions, total, per_fn, columns["answer"])
         return rewards, parts
+
+    def _unscorable_cause(self, per_fn: dict[str, list[float]], before: dict[str, int]) -> str:
+        """Why this batch's responses (this process's rows) could not be scored: the reward
+        function of nonzero weight that scored the fewest of them, and its reason, its first
+        error when it failed in this batch (``before``: :attr:`RewardScorer.failures` before
+        the batch), else that it returned None. Not an earlier batch's error of another
+        function: the run's first error may have nothing to do with this batch."""
+        weights = dict(zip(self.scorer.names, self.scorer.weights))
+        missing = {name: sum(math.isnan(v) for v in values)
+                   for name, values in per_fn.items() if weights.get(name)}
+        name = max(missing, key=missing.__getitem__, default=None)
+        if name is None or not missing[name]:  # torchrun: the other ranks' rows
+            return "the unscorable responses are other processes' (see reward_errors.log)"
+        n = len(per_fn[name])
+        if self.scorer.failures.get(name, 0) > before.get(name, 0):
+            lines = self.scorer.first_errors.get(name, "").strip().splitlines()
+            why = f"its first error: {lines[-1] if lines else 'failed'}"
+        else:
+            why = "it returned None"
+        return f"reward function '{name}' scored {n - missing[name]} of {n} ({why})"
 
     def advantages(self, rewards: torch.Tensor, roll: Rollout) -> torch.Tensor:
         """Advantages of this rank's rows, from the global batch's rewards (this rank holds
