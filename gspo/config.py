@@ -761,7 +761,8 @@ def validate(cfg: TrainConfig) -> None:
     _check(o.epochs >= 1, "objective.epochs must be >= 1")
     _check(o.aggregation != "constant" or 0 < o.norm_constant < float("inf"),
            "objective.aggregation=constant needs objective.norm_constant > 0 (Dr. GRPO: the "
-           "generation budget, e.g. rollout.max_new_tokens)")
+           "generation budget, e.g. rollout.max_new_tokens; token-level losses such as grpo "
+           "have it, gspo's sequence ratio does not)")
     _check(o.aggregation == "constant" or o.norm_constant == 0,
            "objective.norm_constant is only used with objective.aggregation=constant")
     n_rollouts = r.group_size * r.prompts_per_step

@@ -180,6 +180,10 @@ def bind_objective(name: str, values: Mapping[str, Any],
     for key, value in values.items():
         if key in takes:
             options[key] = value
+        elif key == "norm_constant" and values.get("aggregation") == "constant":
+            raise ConfigError(f"objective.aggregation=constant: objective {name!r} has no "
+                              "constant aggregation (its options: "
+                              f"{', '.join(takes)}); a token-level loss such as grpo has")
         elif key not in TRAINER_FIELDS and (key not in defaults or value != defaults[key]):
             raise ConfigError(f"objective.{key}={value!r}: objective {name!r} does not take "
                               f"this option (its options: {', '.join(takes)})")

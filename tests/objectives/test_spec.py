@@ -62,6 +62,17 @@ def test_option_a_loss_does_not_take_is_a_config_error_naming_field_and_loss():
                                "this option (its options: beta, eps_high, eps_low)")
 
 
+def test_constant_aggregation_on_gspo_says_gspo_has_none():
+    """aggregation=constant with its norm_constant on gspo: the error says gspo has no such
+    aggregation (it blamed norm_constant, after the config had asked for it)."""
+    with pytest.raises(ConfigError) as info:
+        _bind(name="gspo", aggregation="constant", norm_constant=24.0)
+    assert str(info.value).startswith("objective.aggregation=constant: objective 'gspo' has no "
+                                      "constant aggregation")
+    assert _bind(name="grpo", aggregation="constant", norm_constant=24.0).options[
+        "norm_constant"] == 24.0
+
+
 def test_default_valued_fields_the_loss_does_not_take_are_not_passed():
     objective = _bind(name="cispo", eps_low=0.1, beta=0.02, epochs=3, num_minibatches=2)
     assert objective.name == "cispo"
