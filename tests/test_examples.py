@@ -222,3 +222,13 @@ def test_a_resumed_run_continues_its_tracker_runs(tmp_path, monkeypatch):
     assert first["resume"] == again["resume"] == "allow"
     assert "resume" not in first_t and again_t["resume"] == "allow"
     assert first_t["name"] == again_t["name"] == "t"
+
+
+def test_a_loaded_model_without_its_tokenizer_is_a_clear_error():
+    """``Trainer(cfg, model=m)`` without ``tokenizer=`` crashed at setup on
+    ``None.pad_token_id``; it is refused at once, naming what is missing."""
+    model, tok = build_tiny("llama")
+    with pytest.raises(ValueError, match="a loaded model needs its tokenizer"):
+        Trainer(TrainConfig(model="tiny:llama"), model=model)
+    with pytest.raises(ValueError, match="tokenizer= needs the loaded model"):
+        Trainer(TrainConfig(model="tiny:llama"), tokenizer=tok)

@@ -211,6 +211,10 @@ class Trainer:
             cfg, model = dataclasses.replace(cfg, model=str(model)), None
         if eval_dataset is not None and train_dataset is None:
             raise ValueError("eval_dataset needs a train_dataset")
+        if (model is None) != (tokenizer is None):
+            raise ValueError("a loaded model needs its tokenizer (Trainer(cfg, model=m, "
+                             "tokenizer=t)), and a tokenizer its model" if model is not None
+                             else "tokenizer= needs the loaded model it belongs to (model=)")
         if reward_fns:  # record them by name in the run's config.yaml, and check the weights
             names = [f if isinstance(f, str) else getattr(f, "__name__", "reward")
                      for f in reward_fns]
