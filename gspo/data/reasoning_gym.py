@@ -50,9 +50,10 @@ def create(name: str, options: dict[str, Any], seed: int, size: int = CHUNK) -> 
         raise DataError(f"task.subset: '{name}' is not a reasoning-gym dataset "
                         f"(e.g. {', '.join(sorted(DATASETS)[:6])}, ...; "
                         "see reasoning_gym.factory.DATASETS)")
-    for reserved in ("seed", "size"):
+    for reserved, why in (("seed", "the run's seed= picks the problems"),
+                          ("size", "problems are drawn as the run needs them")):
         if reserved in options:
-            raise DataError(f"task.options.{reserved}: set by gspo (use the run's seed)")
+            raise DataError(f"task.options.{reserved}: set by gspo ({why})")
     try:
         return rg.create_dataset(name, seed=seed, size=size, **options)
     except (TypeError, ValueError, AssertionError) as e:
