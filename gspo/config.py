@@ -387,7 +387,8 @@ class SFTConfig:
     chat_template: bool = _f(True, "use the chat template (match the run's task.chat_template)")
     system_prompt: str = _f("", "chat template's system message (match task.system_prompt)")
     eval_size: int = _f(100, "held-out problems evaluated (greedy) before and after")
-    num_threads: int = _f(1, "torch CPU threads (0: torch's default)")
+    num_threads: int = _f(1, "torch CPU threads (0: torch's default; another count trains other "
+                             "weights, cached apart)")
 
 
 @dataclass
@@ -948,8 +949,10 @@ def load_sft_config(path: str | Path | None = None,
     """Build and check an :class:`SFTConfig` from defaults, an optional YAML file and
     overrides."""
     cfg = build(SFTConfig, path, overrides)
-    _check(cfg.steps >= 0 and cfg.batch_size >= 1 and cfg.lr >= 0,
-           "sft: steps must be >= 0, batch_size >= 1, lr >= 0")
+    _check(cfg.steps >= 0 and cfg.batch_size >= 1 and 0 <= cfg.lr < float("inf"),
+           "sft: steps must be >= 0, batch_size >= 1, lr a finite number >= 0")
+    _check(0 <= cfg.weight_decay < float("inf"), "sft.weight_decay must be a number >= 0")
+    _check(0 <= cfg.grad_clip < float("inf"), "sft.grad_clip must be a number >= 0 (0 = off)")
     _check(bool(cfg.levels) and all(1 <= lv <= 4 for lv in cfg.levels),
            "sft.levels must be a non-empty list of levels in 1..4")
     _check(bool(cfg.operations) and all(op in ("+", "-", "*") for op in cfg.operations),

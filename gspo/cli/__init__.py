@@ -354,8 +354,13 @@ def cmd_sft(argv: list[str]) -> int:
 
     folder = cold_start(cfg, force="--force" in argv)
     info = read_info(folder)
+    # a cached cold start's accuracies were measured on the eval_size it was built with
+    built = info["config"].get("eval_size", cfg.eval_size)
+    note = "" if built == cfg.eval_size else (
+        f"; measured when it was built: eval_size={cfg.eval_size} applies to a rebuild (--force)")
     print(f"cold start: {folder} (held-out accuracy {info['accuracy_before']:.1%} -> "
-          f"{info['accuracy_after']:.1%}); train from it with model={folder}")
+          f"{info['accuracy_after']:.1%} on {info['n_eval']} problems{note}); train from it "
+          f"with model={folder}")
     return 0
 
 

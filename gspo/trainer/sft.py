@@ -42,7 +42,11 @@ from gspo.trainer.evaluate import evaluate
 
 SFT_FORMAT = 1
 """Version of the recipe below; part of the cache key, so a changed recipe rebuilds the cache."""
-_NOT_IN_KEY = ("num_threads", "eval_size")  # fields that do not change the trained weights
+_NOT_IN_KEY = ("eval_size",)  # fields that do not change the trained weights
+# Fields that change the trained weights, keyed only away from the value every cache was built
+# with before they were keyed (existing caches stay valid): ``num_threads`` (CPU kernels split
+# their sums by thread, so another count trains other weights, apart by ~1e-5 after 30 steps).
+_KEY_UNLESS = {"num_threads": 1}
 # Fields no longer in SFTConfig, at the value every cache was keyed with: ``fused`` (never read;
 # the recipe's AdamW was never the fused kernel), kept so that existing caches stay valid.
 _KEY_OF_REMOVED = {"fused": True}
@@ -60,7 +64,8 @@ def response_text(ex: Example) -> str:
 def config_hash(cfg: SFTConfig) -> str:
     """The cache key of ``cfg``'s cold start: its fields that change the trained weights and,
     for a base given as a folder, that folder's identity (:func:`folder_identity`)."""
-    data = {k: v for k, v in to_dict(cfg).items() if k not in _NOT_IN_KEY}
+    data = {k: v for k, v in to_dict(cfg).items()
+            if k not in _NOT_IN_KEY and not (k in _KEY_UNLESS and _KEY_UNLESS[k] == v)}
     base = folder_identity(cfg.base)
     blob = json.dumps({"format": SFT_FORMAT, **_KEY_OF_REMOVED, **data,
                        **({"base_folder": base} if base else {})}, sort_keys=True)
@@ -200,24 +205,31 @@ def read_info(folder: Path) -> dict[str, Any]:
     return json.loads((Path(folder) / "sft.json").read_text())
 
 
+def source_config(name: str) -> SFTConfig:
+    """The :class:`SFTConfig` of ``model: sft:<name>[?k=v&...]`` (bad options: ConfigError)."""
+    base, _, query = name.partition("?")
+    if not query:
+        return SFTConfig(base=f"tiny:{base}")
+    overrides = [kv for kv in query.split("&") if kv]
+    if any(kv.partition("=")[0].strip() == "base" for kv in overrides):
+        raise ConfigError(f"sft:{name}: the base is the name before '?'; drop base=")
+    return load_sft_config(None, [f"base=tiny:{base}", *overrides])
+
+
 @MODEL_SOURCES.register("sft")
 def resolve_sft(name: str) -> Path:
     """``model: sft:<name>``: the default cold start (:class:`SFTConfig`) of ``tiny:<name>``;
     ``sft:<name>?steps=1600&lr=0.003`` changes :class:`SFTConfig` fields (cached apart, by
     the whole config's hash)."""
-    base, _, query = name.partition("?")
-    if not query:
-        return cold_start(SFTConfig(base=f"tiny:{base}"))
-    overrides = [kv for kv in query.split("&") if kv]
-    if any(kv.partition("=")[0].strip() == "base" for kv in overrides):
-        raise ConfigError(f"sft:{name}: the base is the name before '?'; drop base=")
-    return cold_start(load_sft_config(None, [f"base=tiny:{base}", *overrides]))
+    return cold_start(source_config(name))
 
 
 @MODEL_CONFIGS.register("sft")
 def sft_model_config(name: str) -> Any:
     """The config of ``model: sft:<name>[?...]``: its base ``tiny:<name>``'s (a cold start
-    changes the weights, not the architecture), without training or reading the cache."""
+    changes the weights, not the architecture), without training or reading the cache; the
+    options after ``?`` are checked as :func:`resolve_sft` reads them (``gspo validate``)."""
     from gspo.models.tiny import byte_tokenizer, tiny_config
 
+    source_config(name)
     return tiny_config(name.partition("?")[0], vocab_size=len(byte_tokenizer()))

@@ -32,9 +32,14 @@ def test_answer_text_and_loss_mask_cover_only_the_response():
         assert tok.decode(picked[:-1]) == response_text(ex)
 
 
-def test_cache_key_ignores_threads_and_eval_size_only():
+def test_cache_key_ignores_eval_size_only():
+    """eval_size picks the problems evaluated, not the weights; num_threads changes the
+    weights (CPU kernels split their sums by thread), so another count is cached apart."""
     base = SFTConfig()
-    assert config_hash(base) == config_hash(SFTConfig(num_threads=2, eval_size=7))
+    assert config_hash(base) == config_hash(SFTConfig(eval_size=7))
+    assert config_hash(base) == config_hash(SFTConfig(num_threads=1, eval_size=7))
+    assert config_hash(base) != config_hash(SFTConfig(num_threads=2))
+    assert config_hash(SFTConfig(num_threads=0)) != config_hash(SFTConfig(num_threads=2))
     assert config_hash(base) != config_hash(SFTConfig(steps=base.steps + 1))
     assert config_hash(base) != config_hash(SFTConfig(system_prompt="Be brief."))
 
@@ -63,6 +68,57 @@ def test_bad_sft_config_is_one_line_error():
         load_sft_config(None, ["levels=[9]"])
     with pytest.raises(ConfigError, match="unknown config key 'stepz'"):
         load_sft_config(None, ["stepz=3"])
+
+
+@pytest.mark.parametrize("option,needle", [
+    ("lr=inf", "lr a finite number >= 0"),
+    ("weight_decay=-1", "sft.weight_decay must be a number >= 0"),
+    ("weight_decay=nan", "sft.weight_decay must be a number >= 0"),
+    ("grad_clip=-1", "sft.grad_clip must be a number >= 0"),
+    ("grad_clip=nan", "sft.grad_clip must be a number >= 0"),
+])
+def test_bad_sft_numbers_are_one_line_errors(option, needle):
+    """Each of these trained and cached a model (lr=inf: NaN weights; a negative or NaN
+    grad_clip: clipping silently off) or died in AdamW with a traceback (weight_decay < 0)."""
+    with pytest.raises(ConfigError, match=needle):
+        load_sft_config(None, [option])
+
+
+def test_validate_checks_the_sft_sources_options(capsys):
+    """`gspo validate` refuses the options of ``model=sft:<name>?...`` that train refuses (it
+    said "ok", and a compare arm with a typo failed only when its turn came), and trains
+    nothing to do so."""
+    from gspo.cli import main
+
+    assert main(["validate", "model=sft:tiny_moe?stepz=3"]) == 2
+    assert "unknown config key 'stepz'" in capsys.readouterr().err
+    assert main(["validate", "model=sft:tiny_moe?lr=inf"]) == 2
+    assert "lr a finite number" in capsys.readouterr().err
+    assert main(["validate", "model=sft:tiny_moe?base=tiny:llama"]) == 2
+    assert "drop base=" in capsys.readouterr().err
+    assert main(["validate", "model=sft:tiny_moe?steps=700&seed=1"]) == 0
+    capsys.readouterr()
+
+
+def test_gspo_sft_says_a_cached_cold_starts_accuracy_is_not_of_this_eval_size(
+        tmp_path, monkeypatch, capsys):
+    """eval_size is not in the cache key: `gspo sft eval_size=5` on a cold start built with
+    100 printed the 100-problem accuracies as if measured on 5. It says how many problems,
+    and that another eval_size applies to a rebuild."""
+    import json
+
+    from gspo.cli import main
+
+    (tmp_path / "sft.json").write_text(json.dumps({
+        "config": {"eval_size": 100}, "accuracy_before": 0.0, "accuracy_after": 0.42,
+        "n_eval": 100}))
+    monkeypatch.setattr(sft, "cold_start", lambda cfg, force=False: tmp_path)
+    assert main(["sft", "eval_size=5"]) == 0
+    out = capsys.readouterr().out
+    assert "0.0% -> 42.0% on 100 problems; measured when it was built: eval_size=5" in out
+    assert main(["sft", "eval_size=100"]) == 0
+    out = capsys.readouterr().out
+    assert "42.0% on 100 problems)" in out and "eval_size=" not in out
 
 
 def test_sft_improves_held_out_accuracy_and_is_cached(tmp_path, monkeypatch):
