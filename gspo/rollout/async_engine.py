@@ -368,11 +368,12 @@ def _next_request(requests: Any) -> Request | None:
     there must not leave this process behind)."""
     parent = mp.parent_process()
     while True:
-        try:
+        # before every request, not only when none comes: the batches it asked ahead are
+        # still in the queue, and no one will read them
+        if parent is not None and not parent.is_alive():
+            return None
+        with contextlib.suppress(queue.Empty):
             return requests.get(timeout=POLL_S)
-        except queue.Empty:
-            if parent is not None and not parent.is_alive():
-                return None
 
 
 class _DeviceModel:
@@ -669,12 +670,23 @@ class AsyncEngine:
                   device if device is not None else torch.device("cpu"), turns,
                   self._changing, self.finished, self.waiting, torch.get_num_threads()))
         self.proc.start()
+        # Only the engine process writes batches: the trainer's copy of that end of the pipe
+        # closed, the engine's death ends a batch it was writing (a full pipe holds a
+        # finished batch half-written until take() reads it) in an end of file, where this
+        # process's own open copy would have kept take() waiting for the rest forever.
+        self.results._writer.close()
         # At exit, before multiprocessing's own handler ends daemon processes with a SIGTERM
         # (which this one ignores) and joins them: a trainer that never called close()
         self._at_exit = functools.partial(_close_at_exit, weakref.ref(self))
         atexit.register(self._at_exit)
-        kind, payload = self._get(startup_timeout_s)
+        try:
+            kind, payload = self._get(startup_timeout_s)
+        except BaseException:  # e.g. a Ctrl-C while it starts (vLLM takes minutes): stop it
+            self.proc.kill()  # now; this object is gone before the exit, whose join of a
+            self.close()  # process that ignores SIGTERM would wait for it forever
+            raise
         if kind != "ready":
+            self.close()
             raise RuntimeError(f"rollout engine process did not start: {payload}")
 
     @torch.no_grad()
@@ -722,6 +734,10 @@ class AsyncEngine:
         while True:
             try:
                 return self.results.get(timeout=POLL_S)
+            except (EOFError, OSError):  # the engine died, maybe in the middle of a batch
+                self.proc.join(timeout=POLL_S)
+                raise RuntimeError(f"rollout engine process died (exit code "
+                                   f"{self.proc.exitcode})") from None
             except queue.Empty:
                 if not self.proc.is_alive():
                     raise RuntimeError(f"rollout engine process died (exit code "
