@@ -33,9 +33,10 @@ class RewardSpecError(ValueError):
     """A reward named in the config cannot be found or imported."""
 
 # A number: an optional minus (ASCII '-', U+2212 MINUS SIGN or U+FF0D FULLWIDTH HYPHEN-MINUS),
-# then digits with optional thousands commas and decimals ("1,234.5"), or only decimals (".5", not
-# the ".5" of "1.2.5" or "...5"), and an optional exponent ("1.5e3", "1e-05"). \d is any Unicode
-# decimal digit (Arabic-Indic, fullwidth, ...). A comma is a thousands separator only between
+# then digits with optional thousands commas and decimals ("1,234.5"; LaTeX's "1{,}000",
+# "10,\!000" and "10\,000" too), or only decimals (".5", not the ".5" of "1.2.5" or "...5"),
+# and an optional exponent ("1.5e3", "1e-05"). \d is any Unicode decimal digit (Arabic-Indic,
+# fullwidth, ...). A comma is a thousands separator only between
 # groups of three digits: "2,3" and "(4,5)" are two numbers, not 23 and 45. A minus right after
 # a digit is a range or a subtraction, not a sign: "pages 3-4" ends with 4, "5-3" with 3.
 # A fraction of two integers is one number: "3/4" and "-3/4" with no spaces (not "3 / 4", nor
@@ -50,6 +51,9 @@ _NUMBER = re.compile(
     rf"|(?P<num>{_INT})/(?P<den>{_INT})(?!\.\d)"
     rf"|(?P<mant>{_INT}(?:\.\d+)?|(?<![\d.])\.\d+)(?:[eE](?P<exp>[{_MINUS}+]?\d+))?)")
 _MAX_EXPONENT_DIGITS = 4  # 10**9999 is cheap to build exactly; 10**(10**9) is not
+# LaTeX's thousands separators, read as a plain comma: ``1{,}000``, MATH's ``10,\!000`` (a
+# comma and a negative thin space) and the thin space of ``10\,000`` between digit groups.
+_LATEX_THOUSANDS = re.compile(r"\{,\}|,\\!|(?<=\d)\\,(?=\d{3}(?!\d))")
 
 
 def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
@@ -116,7 +120,7 @@ def _ascii(part: str) -> str:
 def _last_number_text(text: str) -> str | None:
     """The last number in ``text`` in ASCII (``-1234.5``, ``3/4``, ``1.5e3``), or None when there
     is none."""
-    matches = list(_NUMBER.finditer(text.replace("{,}", ",")))  # LaTeX's thousands comma
+    matches = list(_NUMBER.finditer(_LATEX_THOUSANDS.sub(",", text)))
     if not matches:
         return None
     found = matches[-1]
@@ -150,9 +154,9 @@ def extract_exact_number(text: str) -> Fraction | None:
 
 
 def extract_number(text: str) -> float | None:
-    """The last number in ``text`` (``-12``, ``1,234``, ``3.5``, ``.5``, ``−3`` with U+2212,
-    ``1.5e3``, the fractions ``3/4`` and ``\\frac{3}{4}``), or None when there is none (or it is
-    ``x/0``). Digits of any script count (``٣``, ``７``)."""
+    """The last number in ``text`` (``-12``, ``1,234`` or LaTeX's ``1,\\!234``, ``3.5``, ``.5``,
+    ``−3`` with U+2212, ``1.5e3``, the fractions ``3/4`` and ``\\frac{3}{4}``), or None when there
+    is none (or it is ``x/0``). Digits of any script count (``٣``, ``７``)."""
     number = _last_number_text(text)
     if number is None:
         return None

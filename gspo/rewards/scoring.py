@@ -190,11 +190,12 @@ class RewardScorer:
         return box["values"]
 
     def failed_on_all(self, before: dict[str, int], n: int) -> str | None:
-        """``"name: <last line of its first error>"`` for a function that failed on every one
-        of the ``n`` responses scored since ``before`` (a copy of :attr:`failures`), else None.
-        """
-        for name in self.names:
-            if n and self.failures.get(name, 0) - before.get(name, 0) >= n:
+        """``"name: <last line of its first error>"`` for a function of nonzero weight that
+        failed on every one of the ``n`` responses scored since ``before`` (a copy of
+        :attr:`failures`), else None. A function of weight 0 is only logged: its failures
+        leave the responses scorable."""
+        for name, weight in zip(self.names, self.weights):
+            if weight and n and self.failures.get(name, 0) - before.get(name, 0) >= n:
                 report = self.first_errors.get(name, "").strip().splitlines()
                 return f"{name}: {report[-1] if report else 'failed'}"
         return None

@@ -62,6 +62,23 @@ def test_numeric_match(completion, answer, expected):
     assert nm(completion, answer) == expected
 
 
+@pytest.mark.parametrize("completion, answer, expected", [
+    # MATH writes the thousands comma as ,\! (comma, negative thin space); SI style as \,
+    ("$\\boxed{10,\\!000}$", "10000", 1.0),
+    ("$\\boxed{10,\\!000}$", "0", 0.0),
+    ("The answer is 10000.", "10,\\!000", 1.0),
+    ("$1,\\!234,\\!567.5$", "1234567.5", 1.0),
+    ("$\\tfrac{1,\\!000}{8}$", "125", 1.0),
+    ("$10\\,000$", "10000", 1.0),
+    ("$2,\\!3$", "3", 1.0),  # not groups of three: two numbers, as "2,3"
+    ("$400 \\, \\text{ml}$", "400", 1.0),  # a thin space not between digits is no separator
+])
+def test_numeric_match_reads_latex_thousands_separators(completion, answer, expected):
+    """``10,\\!000`` was read as its last group, 0: the right answer scored 0 and a reference
+    written so matched a response of 0."""
+    assert nm(completion, answer) == expected
+
+
 @pytest.mark.parametrize("answer", ["seven", "", "n/a", "abc def"])
 def test_numeric_match_non_numeric_reference_is_unscorable(answer):
     assert nm("7", answer) is None
@@ -431,6 +448,22 @@ def test_a_function_of_weight_zero_is_logged_but_leaves_the_total_alone():
     assert per_fn["partial"][:2] == [0.25, 0.25] and nan_at(per_fn["partial"])[2]
     weighted = RewardScorer.from_specs(["numeric_match", partial], [1.0, 0.5])
     assert nan_at(weighted(PROMPTS, COMPLETIONS, COLUMNS)[0]) == [False, False, True]
+
+
+def test_a_function_of_weight_zero_failing_everywhere_is_not_every_response_unscorable():
+    """The trainer stops before training when ``failed_on_all`` names a function ("every
+    held-out response was unscorable"); a logged-only function (weight 0) that raises on every
+    response leaves every total finite, so it must not be named."""
+    def diagnostic(prompts, completions, judge_score, **_):  # a column this task lacks
+        return [0.0] * len(completions)
+
+    scorer = RewardScorer.from_specs(["numeric_match", diagnostic], [1.0, 0.0])
+    total, _ = scorer(PROMPTS, COMPLETIONS, COLUMNS)
+    assert not any(nan_at(total)) and scorer.failures["diagnostic"] == len(COMPLETIONS)
+    assert scorer.failed_on_all({}, len(COMPLETIONS)) is None
+    weighted = RewardScorer.from_specs(["numeric_match", diagnostic], [1.0, 0.5])
+    weighted(PROMPTS, COMPLETIONS, COLUMNS)
+    assert weighted.failed_on_all({}, len(COMPLETIONS)).startswith("diagnostic: TypeError")
 
 
 def test_eval_accuracy_full_marks_leave_out_penalties():
