@@ -158,7 +158,11 @@ def _reward_per_second(run_dir: Path, train: list[dict[str, Any]]) -> float:
     reward = seconds = 0.0
     for r in train:
         groups = r.get("dynamic/groups_sampled", cfg["rollout"]["prompts_per_step"])
-        reward += r.get("dynamic/sampled_reward_mean", r["reward/mean"]) * groups * group
+        mean = r.get("dynamic/sampled_reward_mean", r["reward/mean"])
+        # a step where no response could be scored (reward.max_unscorable_frac=1) collected
+        # nothing: dynamic sampling's mean over no response is null there (reward/mean is 0)
+        if isinstance(mean, (int, float)) and math.isfinite(mean):
+            reward += mean * groups * group
         seconds += step_seconds(r)
     return reward / seconds if seconds > 0 else math.nan
 

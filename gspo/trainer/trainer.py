@@ -968,7 +968,8 @@ class Trainer:
                      extra_s: float = 0.0) -> dict[str, float]:
         """The step's metrics. ``sampled_tokens``: the response tokens of every rollout batch
         the step drew (dynamic sampling), for the rollout throughput; default ``roll``'s;
-        ``extra_s``: the time of dynamic sampling's extra draws."""
+        ``extra_s``: the time dynamic sampling's extra draws took to sample (not to score:
+        ``dynamic/extra_s`` holds both), which async adds to the engine's."""
         mask = batch.response_mask
         gap = None
         if old.recomputed is not None:  # the trainer's π_old against the engine's log-probs
@@ -1059,9 +1060,12 @@ class Trainer:
             rewards, parts = self.score_rows(examples, roll)  # the global batch's
         sampling: dict[str, float] = {}
         self.stand_ins = None
+        before = timer.seconds.get("rollout", 0.0)
         if self.cfg.rollout.dynamic_sampling:  # DAPO: drop zero-variance groups, draw more
             examples, roll, rewards, sampling, parts = self.refill(examples, roll, rewards,
                                                                    timer, parts)
+        # the extra draws' sampling time (dynamic/extra_s also holds their scoring)
+        extra_rollout_s = timer.seconds.get("rollout", 0.0) - before
         # over the groups trained on, as reward/mean (torchrun: not dynamic sampling's
         # stand-ins, see refill)
         counted = torch.ones(len(rewards), dtype=torch.bool) if self.stand_ins is None \
@@ -1088,7 +1092,7 @@ class Trainer:
                 **self.step_metrics(rewards[counted], roll, batch, old, result, timer,
                                     sampled_tokens=sampling.get(
                                         "dynamic/response_tokens_sampled"),
-                                    extra_s=sampling.get("dynamic/extra_s", 0.0))}
+                                    extra_s=extra_rollout_s)}
 
     def refill(self, examples: list[Any], roll: Rollout, rewards: torch.Tensor,
                timer: PhaseTimer, parts: dict[str, torch.Tensor] | None = None

@@ -277,3 +277,18 @@ def test_a_failed_run_of_jobs_is_named_with_its_log_and_the_others_finish(tmp_pa
     assert "Error" in (runs / "grpo_s0.log").read_text()  # the child's traceback
     assert (runs / "grpo_r2_s0" / "compare.json").is_file()
     assert not (tmp_path / "out").exists()
+
+
+def test_reward_per_second_counts_nothing_for_a_step_without_a_scored_response(tmp_path):
+    """Dynamic sampling logs ``dynamic/sampled_reward_mean`` as null on a step where no
+    response could be scored (``reward.max_unscorable_frac=1``; its NaN mean): that step
+    collected no reward but took its time (the report crashed with a TypeError on None)."""
+    from gspo.analysis.report import _reward_per_second
+
+    (tmp_path / "config.yaml").write_text("rollout: {prompts_per_step: 2, group_size: 4}\n")
+    rows = [{"reward/mean": 1.0, "dynamic/sampled_reward_mean": 0.25,
+             "dynamic/groups_sampled": 4.0, "time/update_s": 2.0},
+            {"reward/mean": 0.0, "reward/unscorable_frac": 1.0,
+             "dynamic/sampled_reward_mean": None, "dynamic/groups_sampled": 6.0,
+             "time/update_s": 2.0}]
+    assert _reward_per_second(tmp_path, rows) == 0.25 * 4 * 4 / 4

@@ -398,3 +398,36 @@ def test_collect_lists_the_stand_ins_of_a_first_draw_it_keeps_whole():
     got = collect(first, lambda d: pytest.fail("no extra draw allowed"), prompts_per_step=2,
                   max_extra_batches=0, min_rows=2)  # one process: the signal group only
     assert got.examples == ["00"] and got.stand_ins == []
+
+
+def slow_first_char_is_digit(prompts, completions, **kw):
+    """:func:`first_char_is_digit`, scored slowly (a sandboxed or remote reward)."""
+    import time
+
+    time.sleep(SCORE_S)
+    return first_char_is_digit(prompts, completions, **kw)
+
+
+SCORE_S = 0.2
+
+
+def test_async_rollout_throughput_leaves_out_the_extra_draws_scoring(tmp_path):
+    """At k = 1 ``perf/rollout_tokens_per_s`` divides every draw's tokens by the engine's
+    time on the pipeline's batch plus the time the extra draws took to sample; it added all of
+    ``dynamic/extra_s``, which also holds their scoring (a slow reward made the throughput
+    look many times lower than the synchronous loop's, which never counts scoring)."""
+    t = Trainer(_cfg(tmp_path, "tps", "steps=2", "rollout.async_steps=1",
+                     "rollout.dynamic_sampling=true", "rollout.dynamic_max_extra_batches=2"),
+                reward_fns=[slow_first_char_is_digit]).setup()
+    try:
+        t.train()
+    finally:
+        t.cleanup()
+    rows = [r for r in _rows(t.run_dir) if "dynamic/groups_sampled" in r]
+    assert sum(r["dynamic/extra_batches"] for r in rows) > 0  # the case in question ran
+    for r in rows:
+        seconds = r["dynamic/response_tokens_sampled"] / r["perf/rollout_tokens_per_s"]
+        assert seconds >= r["time/rollout_engine_s"] - 1e-6
+        # every extra draw was scored for at least SCORE_S, none of it sampling time
+        scored = SCORE_S * r["dynamic/extra_batches"]
+        assert seconds <= r["time/rollout_engine_s"] + r["dynamic/extra_s"] - scored + 1e-6
