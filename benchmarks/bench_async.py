@@ -232,15 +232,16 @@ def total_threads(arm: str) -> int:
 def flops_mode() -> Any:
     """A ``TorchDispatchMode`` that adds up the FLOPs of the matrix products and attention run
     under it, in ``.total``: torch's own formulas
-    (``torch.utils.flop_counter.flop_registry``: ``mm``, ``addmm``, ``bmm``, ...) plus the
-    ops gspo runs on the CPU that torch has none for: oneDNN's linear
-    (``mkldnn._linear_pointwise``, 2 M K N; the lean passes' and the packed decode's
-    products), the CPU flash attention, forward and backward (torch's formulas for SDPA),
-    and ``matmul``, ``linear`` and SDPA themselves, which under ``torch.inference_mode``
-    (the sampling passes) reach a dispatch mode before they decompose. Unlike
-    ``FlopCounterMode`` it registers no module hooks: those would make gspo's lean passes
-    and decoder refuse the model (:func:`gspo.models.decode.unsupported`) and the count
-    would then be of the ``forward`` path, not of the step that is timed."""
+    (``torch.utils.flop_counter.flop_registry``: ``mm``, ``addmm``, ``bmm``, ...; also for
+    the in-place ``addmm_`` and ``baddbmm_``, which it has no entry for) plus the ops gspo
+    runs on the CPU that torch has none for: oneDNN's linear (``mkldnn._linear_pointwise``,
+    2 M K N; the lean passes' and the packed decode's products), the CPU flash attention,
+    forward and backward (torch's formulas for SDPA), and ``matmul``, ``linear`` and SDPA
+    themselves, which under ``torch.inference_mode`` (the sampling passes) reach a dispatch
+    mode before they decompose. Unlike ``FlopCounterMode`` it registers no module hooks: those
+    would make gspo's lean passes and decoder refuse the model
+    (:func:`gspo.models.decode.unsupported`) and the count would then be of the ``forward``
+    path, not of the step that is timed."""
     import torch
     from torch.utils import flop_counter as fc
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -261,6 +262,11 @@ def flops_mode() -> Any:
             lambda a, out: fc.sdpa_backward_flop_count(a[0].shape, a[1].shape, a[2].shape,
                                                        a[3].shape)}
 
+    # in-place products count as their out-of-place forms (torch's registry has only those):
+    # ``g.addmm_(a, b)`` accumulates a chunked output layer's gradients (gspo's
+    # ChunkedHeadLogprobs past its first chunk, TRL's fused LM head's ∂h and ∂W)
+    inplace = {aten.addmm_: aten.addmm, aten.baddbmm_: aten.baddbmm}
+
     class Mode(TorchDispatchMode):
         def __init__(self) -> None:
             super().__init__()
@@ -271,7 +277,7 @@ def flops_mode() -> Any:
                                kwargs: Any = None) -> Any:
             kwargs = kwargs or {}
             out = func(*args, **kwargs)
-            op = func._overloadpacket
+            op = inplace.get(func._overloadpacket, func._overloadpacket)
             if op in fc.flop_registry:
                 n = int(fc.flop_registry[op](*args, **kwargs, out_val=out))
             elif op in formulas:

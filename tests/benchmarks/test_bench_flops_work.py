@@ -98,3 +98,29 @@ def test_count_only_writes_both_steps_work(tmp_path):
     assert data["flops_trl"]["total"] > data["flops"]["total"] > 0
     table = (tmp_path / "async_flops_tiny-llama.md").read_text()
     assert "| TRL / gspo | total |" in table and "| gspo (sync) | old_logprobs_all |" in table
+
+
+def test_flops_mode_counts_in_place_products():
+    """``g.addmm_(a, b)`` and ``baddbmm_`` are counted as addmm / baddbmm (torch's registry has
+    no in-place entries, so they counted 0): gspo's output layer past its first chunk and TRL's
+    fused LM head accumulate their gradient products so. By hand, gspo's head over 2 chunks,
+    forward and backward: the logits, their recomputation, ∂h and ∂W, 4 products of 2 M H V."""
+    import torch
+
+    from benchmarks import bench_async
+    from gspo.models.logprobs import head_logprobs
+
+    a, b, acc = torch.randn(6, 5), torch.randn(5, 3), torch.zeros(6, 3)
+    x, y, bacc = torch.randn(2, 6, 5), torch.randn(2, 5, 3), torch.zeros(2, 6, 3)
+    with bench_async.flops_mode() as mode:
+        acc.addmm_(a, b)
+        bacc.baddbmm_(x, y)
+    assert mode.by_op == {"aten.addmm": 2 * 6 * 5 * 3, "aten.baddbmm": 2 * 2 * 6 * 5 * 3}
+
+    m, h, v = 24, 8, 40
+    hidden = torch.randn(m, h, requires_grad=True)
+    weight = torch.randn(v, h, requires_grad=True)
+    labels = torch.randint(0, v, (m,))
+    with bench_async.flops_mode() as mode:
+        head_logprobs(hidden, weight, None, labels, chunk=m // 2)[0].sum().backward()
+    assert mode.total == 4 * 2 * m * h * v
