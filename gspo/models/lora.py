@@ -10,6 +10,7 @@ only (``adapter_model.safetensors`` + ``adapter_config.json``); ``gspo export``
 from __future__ import annotations
 
 import json
+import re
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -56,7 +57,39 @@ def apply_lora(model: Any, cfg: Any, *, adapter_dir: str | Path | None = None) -
     try:
         return get_peft_model(model, _lora_config(cfg))
     except ValueError as e:  # e.g. no module matches target_modules
-        raise ModelError(f"lora: {str(e).strip().splitlines()[0]}") from None
+        raise ModelError(_peft_refusal(e)) from None
+
+
+def check_lora(model: Any, cfg: Any) -> None:
+    """Whether PEFT can wrap ``model`` (its real weights or its meta-device skeleton) in the
+    adapter of :class:`gspo.config.LoRAConfig` ``cfg``: :func:`check_targets`, then PEFT
+    itself on a meta-device twin, which refuses a target that is not a layer it adapts (a
+    whole MLP block, a norm) and ``lora.dropout > 0`` on what it adapts as parameters (the
+    routers and fused experts ``all-linear`` takes on an MoE model), as :func:`apply_lora`
+    would. A :class:`ModelError`. ``gspo validate`` runs it on the model's architecture
+    (:func:`gspo.models.loading.model_skeleton`)."""
+    get_peft_model = import_optional("peft", "lora.r > 0",
+                                     "the peft package (pip install peft)").get_peft_model
+    if cfg.target_modules != ["all-linear"]:
+        check_targets(model, cfg.target_modules)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            get_peft_model(meta_twin(model), _lora_config(cfg))
+    except ValueError as e:
+        raise ModelError(_peft_refusal(e)) from None
+
+
+def _peft_refusal(e: ValueError) -> str:
+    """PEFT's refusal on one line, a module it cannot adapt named by its class (PEFT quotes
+    its whole multi-line ``repr``)."""
+    text = " ".join(str(e).split())
+    text = re.sub(r"Target module (\w+)\(.*?\) is not supported", r"Target module \1 is not "
+                  "supported", text)
+    if "ParamWrapper" in text and "lora_dropout" in text:
+        text += (" (the MoE routers and fused experts that all-linear adapts are parameters: set "
+                 "lora.dropout=0, or list target_modules without them)")
+    return f"lora: {text}"
 
 
 def _lora_config(cfg: Any) -> Any:
@@ -161,7 +194,9 @@ def merged_weights(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
             layer = modules[".".join(parts[:i])]
             if attr == getattr(layer, "parameter_name", "weight"):
                 for adapter in layer.active_adapters:
-                    t = t + layer.get_delta_weight(adapter)
+                    # in the weight's dtype, as merging in place leaves it: PEFT keeps a bf16
+                    # model's adapter in fp32, and W + ΔW would be an fp32 tensor
+                    t = (t + layer.get_delta_weight(adapter)).to(t.dtype)
         yield ".".join([*(part for part in parts if part != "base_layer"), attr]), t.detach()
 
 

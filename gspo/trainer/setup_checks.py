@@ -171,7 +171,7 @@ def check_before_loading(cfg: TrainConfig) -> list[str]:
     could not decide (one phrase each), besides :data:`NOT_CHECKED`."""
     from gspo.data import held_out_kind, task_builder
     from gspo.models.loading import model_skeleton
-    from gspo.models.lora import check_targets
+    from gspo.models.lora import check_lora
     from gspo.rewards import RewardScorer
     from gspo.rollout.multiturn import TurnLoop
     from gspo.trainer.moe_hooks import policy_hooks
@@ -188,8 +188,8 @@ def check_before_loading(cfg: TrainConfig) -> list[str]:
     caps = engine_capabilities(cfg.rollout.engine, engine_options(cfg))
     moe = policy_hooks(model, cfg.moe, caps, engine=cfg.rollout.engine, name=cfg.model).active
     check_compile(cfg, moe=moe)
-    if cfg.lora.r and cfg.lora.target_modules != ["all-linear"] and not cfg.resume:
-        check_targets(model, cfg.lora.target_modules)  # a resumed adapter keeps its own
+    if cfg.lora.r and not cfg.resume:  # a resumed adapter keeps its own
+        check_lora(model, cfg.lora)
     k = cfg.rollout.async_steps
     if k > 0:
         check_engine_share(cfg, world=1)  # fewer prompts than engines: on any number of ranks

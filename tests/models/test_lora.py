@@ -284,3 +284,48 @@ def test_a_resume_compares_the_targets_peft_recorded(tmp_path):
     every = wrap(build_tiny("llama", seed=0)[0], LoRAConfig(r=4, alpha=8))
     every.save_pretrained(tmp_path / "every")
     wrap(build_tiny("llama", seed=0)[0], LoRAConfig(r=4, alpha=8), adapter_dir=tmp_path / "every")
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_merged_weights_of_a_bf16_policy_are_bf16_as_merge_and_unload_leaves_them(family):
+    """PEFT keeps a bf16 model's adapter in fp32, so W + ΔW was an fp32 tensor: merged_weights
+    gave every adapted weight of a bf16 policy in fp32 (the vLLM engine's start folder held
+    them so, and each sync sent twice their bytes), where merge_and_unload and gspo export
+    keep bf16. Same values, the policy's dtype."""
+    import copy
+
+    from gspo.models.lora import merged_weights
+
+    model = apply_lora(build_tiny(family, seed=0, dtype=torch.bfloat16)[0],
+                       LoRAConfig(r=4, alpha=8))
+    assert {p.dtype for n, p in model.named_parameters() if "lora_" in n} == {torch.float32}
+    perturb(model)
+    merged = dict(merged_weights(model))
+    want = copy.deepcopy(model).merge_and_unload().state_dict()
+    assert merged.keys() == want.keys()
+    assert {v.dtype for v in merged.values()} == {torch.bfloat16}
+    assert all(torch.equal(merged[k], want[k]) for k in want)
+
+
+@pytest.mark.parametrize("model, lora, needle", [
+    ("tiny:qwen3_moe", ["lora.dropout=0.1", "disable_dropout=false"],
+     "lora: lora.ParamWrapper does not work with lora_dropout != 0. (the MoE routers"),
+    ("tiny:llama", ["lora.target_modules=[q_proj,mlp]"],
+     "lora: Target module LlamaMLP is not supported. Currently, only"),
+])
+@pytest.mark.parametrize("cmd", ["validate", "train"])
+def test_what_peft_cannot_adapt_is_refused_by_validate_as_by_train(capsys, tmp_path, model,
+                                                                   lora, needle, cmd):
+    """gspo validate checked lora.target_modules' names only: a name of a module PEFT cannot
+    adapt (an MLP block) and lora.dropout on an MoE model's all-linear adapter (PEFT adapts its
+    routers and fused experts as parameters, without dropout) passed validate (and gspo
+    compare's up-front checks) and failed gspo train after the weights were loaded, with the
+    first line of PEFT's message ("lora: Target module LlamaMLP(")."""
+    from gspo.cli import main
+
+    code = main([cmd, f"model={model}", "lora.r=4", *lora, f"output_dir={tmp_path / 'runs'}",
+                 "steps=1", "progress=false"])
+    out, err = capsys.readouterr()
+    assert code == 2, (out, err)
+    (line,) = err.splitlines()
+    assert line.startswith(f"gspo {cmd}: error: {needle}"), line
