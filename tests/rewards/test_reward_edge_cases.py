@@ -142,18 +142,19 @@ END_TO_END = textwrap.dedent(r'''
              r"\boxed{10}"]
     start = time.monotonic()
     total, _ = scorer([""] * 4, batch, {"answer": ["10"] * 4})
-    out["repro"] = [total, time.monotonic() - start, scorer.first_errors]
+    out["repro"] = [total, time.monotonic() - start, dict(scorer.first_errors)]
 
     # a reference too large to evaluate: the row is unscorable
     out["gold"] = REWARDS["math_verify"]([""], [r"\boxed{10^{10^{10}}}"],
                                         answer=["$10^{10^{10}}$"])
 
     # Gamma(10^8) is computed while *parsing*, before any guard: the helper is killed
-    gm.ROW_TIMEOUT_S = 1.0
+    # the row limit must act, not the batch's: a loaded machine is slow to restart the helper
+    gm.ROW_TIMEOUT_S, scorer.timeout_s = 1.0, 30.0
     start = time.monotonic()
     total, _ = scorer([""] * 2, [r"\boxed{\Gamma(100000000)}", r"\boxed{10}"],
                       {"answer": ["10"] * 2})
-    out["parse_hang"] = [total, time.monotonic() - start, scorer.first_errors]
+    out["parse_hang"] = [total, time.monotonic() - start, dict(scorer.first_errors)]
     print(json.dumps(out))
 ''')
 
@@ -166,8 +167,8 @@ def test_no_response_hangs_the_math_verify_reward():
     out = json.loads(run.stdout.strip().splitlines()[-1])
     total, seconds, errors = out["repro"]
     assert total == [0.0, 0.0, 0.0, 1.0] and not errors
-    assert seconds < 2.5  # well within reward.timeout_s=5 (it used to hang for good)
+    assert seconds < 5.0  # within reward.timeout_s=5 (it used to hang for good)
     assert out["gold"] == [None]
     total, seconds, errors = out["parse_hang"]
     assert total == [0.0, 1.0] and not errors  # killed past ROW_TIMEOUT_S; the next is scored
-    assert seconds < 5.0
+    assert seconds < 30.0
