@@ -54,6 +54,8 @@ def sparse_block(mlp: nn.Module) -> bool:
 
 def unsupported(model: Any) -> str | None:
     """Why :class:`DenseDecoder` cannot run ``model`` (None when it can)."""
+    if hasattr(model, "peft_config"):  # said as such, not as a wrapper it does not know
+        return "a LoRA (PEFT) policy, whose adapted layers are not plain nn.Linear"
     cfg = getattr(model, "config", None)
     kind = getattr(cfg, "model_type", None)
     if kind not in FAMILIES:

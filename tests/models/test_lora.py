@@ -329,3 +329,15 @@ def test_what_peft_cannot_adapt_is_refused_by_validate_as_by_train(capsys, tmp_p
     assert code == 2, (out, err)
     (line,) = err.splitlines()
     assert line.startswith(f"gspo {cmd}: error: {needle}"), line
+
+
+def test_the_fast_paths_refuse_a_lora_policy_saying_so():
+    """compile_layers / matmul=onednn with LoRA: refused as a LoRA policy (the reason said "not
+    a causal-LM wrapper around a decoder with plain embeddings")."""
+    from gspo.models.decode import unsupported
+
+    model, _ = build_tiny("llama")
+    assert unsupported(model) is None
+    peft_model = apply_lora(model, LoRAConfig(r=4))
+    assert unsupported(peft_model) == ("a LoRA (PEFT) policy, whose adapted layers are not "
+                                       "plain nn.Linear")
