@@ -292,13 +292,22 @@ def shutdown(*, barrier: bool = True) -> None:
 # ---------------------------------------------------------------------- checkpoints
 def full_model_state(model: Any, d: Dist) -> dict[str, torch.Tensor] | None:
     """Full CPU state dict for ``save_pretrained(state_dict=...)``: a collective under FSDP2
-    (call it on every rank; rank 0 gets the tensors); ``None`` (use the module's own) else."""
+    (call it on every rank; rank 0 gets the tensors); ``None`` (use the module's own) else.
+    Tied parameters (an output layer tied to the embeddings) share one tensor in it, as in
+    the module's own state dict, so that ``save_pretrained`` writes them once, as for one
+    process (gathered, each name had a copy of its own, and both were written)."""
     if d.strategy != "fsdp2" or not d.enabled:
         return None
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
-                                                                cpu_offload=True))
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                 cpu_offload=True))
+    first: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        tied = first.setdefault(id(p), name)
+        if tied != name and tied in state and name in state:
+            state[name] = state[tied]
+    return state
 
 
 def full_state_loader(d: Dist) -> Callable[[Any, dict[str, torch.Tensor]], Any] | None:

@@ -234,6 +234,7 @@ class Trainer:
         self.final_eval: dict[str, float] | None = None
         self.saved_step: int | None = None  # the step of the newest checkpoint this run wrote
         self.last_samples: tuple[Any, ...] | None = None  # the last scored batch, for samples
+        self.last_samples_local = False  # torchrun: last_samples holds this rank's rows only
         self.zero_signal = ZeroSignalWatch(cfg.logging.zero_signal_warn_steps)
         # dynamic sampling under torchrun: the step's rows [N] that are stand-in groups
         self.stand_ins: torch.Tensor | None = None
@@ -552,10 +553,16 @@ class Trainer:
                                          self.dist)
         self.scheduler.load_state_dict(optim_state["scheduler"])
         self._keep_configured_hyperparameters(configured)
-        torch.set_rng_state(optim_state["torch_rng"])
+        # torchrun: each rank's own RNG states where the checkpoint has one per rank of this
+        # world (each rank drew from them for its own rows, e.g. a reward using `random`);
+        # else (one process, another world size) the rank-0 states
+        own = (self.dist.rank if self.dist.enabled
+               and len(state.get("rank_rng", [])) == self.dist.world_size else None)
+        torch.set_rng_state(optim_state["torch_rng"] if own is None
+                            else optim_state["rank_torch_rng"][own])
         if optim_state.get("cuda_rng") is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(optim_state["cuda_rng"])
-        set_extra_rng_state(state.get("rng", {}))
+        set_extra_rng_state(state.get("rng", {}) if own is None else state["rank_rng"][own])
         self.step, self.history = state["step"], state.get("history", [])
         self.zero_signal.load_state_dict(state.get("zero_signal", {"streak": 0, "warned": False}))
         self.baseline_eval = state.get("baseline_eval")
@@ -597,6 +604,10 @@ class Trainer:
                  "guard": guard.state_dict(), "zero_signal": self.zero_signal.state_dict(),
                  "rng": extra_rng_state(),
                  "log_sizes": log_sizes(self.run_dir)}
+        if self.dist.enabled:  # every rank's own RNG states (rank 0 writes the checkpoint)
+            ranks = self.dist.gather_objects((extra_rng_state(), torch.get_rng_state()))
+            state["rank_rng"] = [extra for extra, _ in ranks]
+            optim_state["rank_torch_rng"] = [t for _, t in ranks]
         if self.async_rollout is not None:  # the in-flight batches (waits for them)
             state["async"] = self.async_rollout.state_dict()
             if self.dist.enabled:  # each rank sampled its own share of the prompts
@@ -727,6 +738,7 @@ class Trainer:
         parts = {k: self.dist.gather(torch.tensor(v, dtype=torch.float32))[0]
                  for k, v in per_fn.items()}
         self.last_samples = (prompts, completions, total, per_fn, columns["answer"])
+        self.last_samples_local = self.dist.enabled  # gathered when written (_write_samples)
         return rewards, parts
 
     def _unscorable_cause(self, per_fn: dict[str, list[float]], before: dict[str, int]) -> str:
@@ -1160,6 +1172,7 @@ class Trainer:
                                         skip_special_tokens=True),
             rewards[rows].tolist(), {k: v[rows].tolist() for k, v in parts.items()},
             [examples[j].answer for j in groups for _ in range(g)])
+        self.last_samples_local = False  # every rank's groups (the draws were gathered)
 
     def _global_draw(self, examples: list[Any], roll: Rollout, rewards: torch.Tensor,
                      parts: dict[str, torch.Tensor] | None = None) -> Draw:
@@ -1308,10 +1321,8 @@ class Trainer:
                                                   self.dist)  # the evaluation's own
         self.logger.log(self.step, metrics)
         if (cfg.logging.samples_every and self.step % cfg.logging.samples_every == 0
-                and self.dist.is_main and self.last_samples is not None):
-            p, c, r, f, a = self.last_samples
-            write_samples(self.run_dir, self.step, p, c, r, answers=a, per_fn=f,
-                          limit=2 * cfg.rollout.group_size)
+                and self.last_samples is not None):  # the same on every rank
+            self._write_samples(limit=2 * cfg.rollout.group_size)
         self.history.append({k: metrics[k] for k in ("reward/mean",) if k in metrics})
         bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}",
                         clip=f"{metrics.get('objective/clip_frac_tokens', 0):.3f}")
@@ -1320,6 +1331,25 @@ class Trainer:
             self._guard_stop(stop_reason)
         if cfg.save_every and self.step % cfg.save_every == 0 and self.step < cfg.steps:
             self.save_checkpoint()
+
+    def _write_samples(self, limit: int) -> None:
+        """Append the first ``limit`` rows of the last scored batch to the samples file, as one
+        process writes them. Under torchrun each rank scored its own share of the groups
+        (:meth:`score_rows`): the ranks' first rows are gathered in rank (prompt) order, so
+        that rank 0 writes the global batch's first rows, not its own share's (one group when
+        ``prompts_per_step`` is the number of ranks). A collective: every rank calls it."""
+        samples = self.last_samples
+        if self.last_samples_local:
+            p, c, r, f, a = samples
+            shares = self.dist.gather_objects((p[:limit], c[:limit], r[:limit],
+                                               {k: v[:limit] for k, v in f.items()}, a[:limit]))
+            samples = ([x for s in shares for x in s[0]], [x for s in shares for x in s[1]],
+                       [x for s in shares for x in s[2]],
+                       {k: [x for s in shares for x in s[3][k]] for k in f},
+                       [x for s in shares for x in s[4]])
+        if self.dist.is_main:
+            p, c, r, f, a = samples
+            write_samples(self.run_dir, self.step, p, c, r, answers=a, per_fn=f, limit=limit)
 
     def rolled_back(self, restored: int) -> dict[str, float]:
         """After the guard put back the weights of step ``restored``: nothing samples from the

@@ -42,6 +42,11 @@ def half_flat(prompts, completions, **_):
             for p, c in zip(prompts, completions)]
 
 
+def noisy(prompts, completions, **_):  # draws from Python's global RNG, once per row
+    import random
+    return [float(sum(map(ord, c)) % 97) + random.random() for c in completions]
+
+
 CALLS = [0]
 
 
@@ -360,10 +365,13 @@ def test_fsdp2_checkpoints_leave_adamw_untouched(tmp_path):
     `get_optimizer_state_dict`, which creates a missing state by a zero-gradient step: AdamW
     then bias-corrected every later update for one step too many, and the 2-rank run drifted
     from the one-process run (1.7e-4 after one step at lr 1e-4). Now the two agree to fp32
-    rounding, and a run resumed from that step-0 checkpoint is the same run bit for bit."""
+    rounding, and a run resumed from that step-0 checkpoint is the same run bit for bit.
+    The checkpoint holds the one-process tensors: the output layer tied to the embeddings
+    once (the gathered state wrote it twice, an lm_head.weight beside them)."""
     extra = ["dist.strategy=fsdp2", "steps=1"]
     one = _train(tmp_path / "one", *extra, world=1)
     two = _train(tmp_path / "two", *extra)
+    assert sorted(_weights(two, 1)) == sorted(_weights(one, 1))
     assert _max_diff(_weights(one, 1), _weights(two, 1)) < 1e-5
     assert _max_diff(_weights(two, 1), _weights(two, 0)) > 1e-4  # the step moved them
     _, resumed = _killed_and_resumed(tmp_path, two, 0, *extra)
@@ -403,3 +411,29 @@ def test_a_signal_that_reaches_one_rank_stops_every_rank_after_the_step(tmp_path
     run = tmp_path / "r"
     assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_000002"]
     assert [r["step"] for r in _rows(run)] == [1, 2]
+
+
+@pytest.mark.slow
+def test_the_samples_file_under_torchrun_holds_the_one_process_rows(tmp_path):
+    """prompts_per_step = 2 on 2 ranks: each rank scores one group, and samples.jsonl holds
+    the global batch's first 2 groups, as in one process (it held rank 0's one group: 4 rows
+    against 8)."""
+    extra = ["rollout.prompts_per_step=2", "logging.samples_every=1", "save_every=0", "steps=1"]
+    one = _train(tmp_path / "one", *extra, world=1)
+    two = _train(tmp_path / "two", *extra)
+    rows_one, rows_two = ((run / "samples.jsonl").read_text().splitlines() for run in (one, two))
+    assert len(rows_one) == 8
+    assert rows_two == rows_one
+
+
+@pytest.mark.slow
+def test_a_torchrun_resume_restores_every_ranks_own_rng_states(tmp_path):
+    """3 prompts on 2 ranks: rank 0 scores 8 rows a step, rank 1 4, with a reward drawing
+    from Python's RNG, so the ranks' RNG states part after step 1. Killed after step 1 and
+    resumed, each rank continues from its own states, and the run is the uninterrupted one bit
+    for bit (every rank took rank 0's: step 2's reward/mean 58.07 against 58.03)."""
+    extra = ["rollout.prompts_per_step=3", "reward.functions=[async_reward:noisy]", "steps=2"]
+    two = _train(tmp_path / "two", *extra)
+    _, resumed = _killed_and_resumed(tmp_path, two, 1, *extra)
+    assert [r["reward/mean"] for r in _rows(resumed)] == [r["reward/mean"] for r in _rows(two)]
+    assert _max_diff(_weights(resumed, 2), _weights(two, 2)) == 0.0
