@@ -19,6 +19,8 @@ from gspo.config import load_config
 from gspo.trainer import Trainer
 from gspo.trainer.checkpoint import latest_checkpoint, save_checkpoint
 
+from .test_crash_resume import _Saves
+
 FAST = ["model=tiny:llama", "progress=false", "tensorboard=false", "num_threads=1", "seed=3",
         "rollout.max_new_tokens=4", "rollout.prompts_per_step=2", "rollout.group_size=4",
         "rollout.temperature=1.0", "objective.num_minibatches=2", "task.eval_size=0",
@@ -79,17 +81,6 @@ def test_a_reward_drawing_from_the_global_rngs_resumes_exactly(tmp_path, monkeyp
     got = load_file(killed / "checkpoints" / "step_000003" / "model.safetensors")
     assert all(torch.equal(want[k], got[k]) for k in want)
 
-
-class _Saves:
-    """Stands in for a model or tokenizer: ``save_pretrained`` writes one file."""
-
-    def __init__(self, filename: str, fail: bool = False) -> None:
-        self.filename, self.fail = filename, fail
-
-    def save_pretrained(self, path, **_):
-        if self.fail:
-            raise OSError("disk full")
-        (Path(path) / self.filename).write_text("x")
 
 
 def _save(root: Path, step: int, note: str, fail: bool = False) -> Path:
