@@ -80,6 +80,7 @@ TRAINER, ENGINE = 0, 1
 STOP = -1  # a weights header that ends the engine's receiving thread
 BINDS = "binds_"  # store keys: BINDS + rank, the address that end's gloo device binds to
 JOINED = "joined_"  # store keys: JOINED + rank, while that end is there waiting or joined
+CLAIMS = "claims_"  # store keys: CLAIMS + rank, how many ends of that rank met the other there
 POLL_S = 0.1  # how often a waiting end looks for the other (a Ctrl-C stops it between looks)
 # The engine's wait for the trainer's next request or weights: no time limit. The trainer may
 # evaluate, update or checkpoint for longer than any --timeout; if its process dies, its
@@ -136,6 +137,10 @@ class _Alone(Exception):
     """The deadline passed with no one at the other end."""
 
 
+class _Taken(Exception):
+    """Another end of this rank met the other end at the address first."""
+
+
 def _store(address: str, rank: int, timeout: datetime.timedelta, deadline: float) -> Any:
     """The key-value store the two processes meet through: a TCP store served by the trainer
     (tcp://HOST:PORT) or a shared file (file:///path). Built here rather than by
@@ -151,6 +156,9 @@ def _store(address: str, rank: int, timeout: datetime.timedelta, deadline: float
         store.set_timeout(timeout)  # its own default is 300 s, whatever the caller's
         return store
     if rank == TRAINER:  # listens at once (or fails at once: the port is taken)
+        # a host name that does not resolve fails at once (socket.gaierror): TCPStore's own
+        # client would retry it for about twice the timeout, printing a warning each time
+        socket.getaddrinfo(url.hostname, url.port, type=socket.SOCK_STREAM)
         return dist.TCPStore(url.hostname, url.port, 2, is_master=True, timeout=timeout,
                              wait_for_workers=False)
     _await_listener(url.hostname, url.port, deadline)
@@ -227,15 +235,29 @@ def _remove(path: str) -> bool:
 
 
 def _meet(store: Any, rank: int, deadline: float) -> None:
-    """Leave this end's key in the store and wait for the other's (:func:`_wait_until`).
-    An end that gives up takes its key back."""
+    """Leave this end's key in the store and wait for the other's (:func:`_wait_until`);
+    then claim this end's rank and wait for the other end's claim. An end claims only once it
+    has seen the other end's key, and only the first of a rank holds it (a second engine at
+    one trainer's address, or a second trainer at one file address: :class:`_Taken`). So an
+    end that left its key and went away while it waited (stopped or killed: its key stays in
+    a store file) never claims, and the other end waits on for one that is there. An end that
+    gives up while it waits takes its key (and its claim) back."""
     mine = f"{JOINED}{rank}"
     store.set(mine, "1")
+    claimed = False
     try:
         _wait_until(lambda: store.check([f"{JOINED}{1 - rank}"]), deadline, "no one came")
+        if store.add(f"{CLAIMS}{rank}", 1) != 1:  # the count stays: the first end holds it
+            raise _Taken()
+        claimed = True
+        _wait_until(lambda: store.check([f"{CLAIMS}{1 - rank}"]), deadline, "no one came")
+    except _Taken:
+        raise  # the key is the first end's too: it stays
     except BaseException:
         with contextlib.suppress(Exception):
             store.delete_key(mine)
+            if claimed:
+                store.delete_key(f"{CLAIMS}{rank}")
         raise
 
 
@@ -267,6 +289,11 @@ def _join(address: str, rank: int, timeout_s: float) -> tuple[Any, Any]:
                  else "no trainer to join (it listens once it starts with "
                  "rollout.async_address=ADDRESS)")
         raise Unreachable(f"{address}: {other} within {timeout_s:g} s ({_first(e)})") from None
+    except _Taken:
+        end = "trainer" if rank == TRAINER else "engine"
+        raise Unreachable(f"{address}: another {end} has already met the "
+                          f"{'engine' if rank == TRAINER else 'trainer'} there (one trainer "
+                          "and one engine per address)") from None
     except (dist.DistError, RuntimeError, OSError) as e:  # it failed, rather than waited
         raise Unreachable(f"{address}: could not "
                           f"{'listen there' if rank == TRAINER else 'reach the trainer'} "

@@ -342,3 +342,105 @@ def test_a_trainer_busier_than_the_engines_timeout_keeps_its_engine(tmp_path):
     finally:
         engine.kill()
         engine.wait()
+
+
+def _pair_talks(trainer_groups, engine_groups) -> None:
+    """Both of the trainer's groups lead to this engine: a message and a weights broadcast
+    from the trainer arrive (within 20 s each)."""
+    import datetime
+
+    from gspo.rollout.remote_engine import _broadcast, _Messages
+
+    got: dict[str, object] = {}
+
+    def engine():
+        t = torch.zeros(1, dtype=torch.long)
+        _broadcast(engine_groups[1], t, datetime.timedelta(seconds=20))
+        got["weights"] = int(t)
+        got["message"] = _Messages(engine_groups[0], TRAINER).recv(datetime.timedelta(seconds=20))
+
+    receiver = threading.Thread(target=lambda: _in_thread(engine, wait_s=60), daemon=True)
+    receiver.start()
+    _broadcast(trainer_groups[1], torch.tensor([7]), datetime.timedelta(seconds=20))
+    sender = _Messages(trainer_groups[0], ENGINE)
+    sender.send("setup")
+    sender.flush()
+    receiver.join(60)
+    assert got == {"weights": 7, "message": "setup"}
+
+
+def test_a_second_engine_at_one_trainers_address_is_refused():
+    """Two `gspo engine`s started for one trainer's address (one left from an earlier try,
+    or two ranks' addresses mixed up): both joined, and the trainer's two groups could each
+    lead to another engine (its set-up to one, its weights to the other: each then waited
+    for the rest until its --timeout). The second is refused, saying so."""
+    address = f"tcp://127.0.0.1:{_free_port()}"
+    joined: dict[str, tuple] = {}
+    failed: dict[str, BaseException] = {}
+
+    def join(name: str, rank: int) -> None:
+        try:
+            joined[name] = _join(address, rank, 20.0)
+        except Unreachable as e:
+            failed[name] = e
+
+    threads = [threading.Thread(target=join, args=args, daemon=True)
+               for args in (("trainer", TRAINER), ("a", ENGINE), ("b", ENGINE))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert "trainer" in joined and len(failed) == 1, (sorted(joined), failed)
+    (loser, err), = failed.items()
+    assert str(err) == (f"{address}: another engine has already met the trainer there (one "
+                        "trainer and one engine per address)")
+    _pair_talks(joined["trainer"], joined[({"a", "b"} - {loser}).pop()])
+
+
+def test_an_engine_stopped_while_it_waited_at_a_file_address_is_not_met(tmp_path):
+    """A `gspo engine` stopped (Ctrl-C) while it waited for its trainer at a file address
+    left its key in the store file: the next trainer there took it for its engine, waited for
+    that engine's gloo address (rollout.async_timeout_s, 30 min by default) and failed ('the
+    engine met this end there, then went away'), while the new engine waited behind the
+    trainer's marker as long. The next pair meets."""
+    store = tmp_path / "store"
+    address = f"file://{store}"
+    proc = subprocess.Popen([sys.executable, "-m", "gspo", "engine", address, "--timeout",
+                             "120"], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not store.exists():  # the engine is at the store, waiting for a trainer
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            time.sleep(0.1)
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=20) == 130
+    finally:
+        proc.kill()
+        proc.wait()
+    assert store.exists()
+    joined: dict[int, tuple] = {}
+
+    def join(rank: int) -> None:
+        joined[rank] = _join(address, rank, 10.0)
+
+    trainer = threading.Thread(target=lambda: _in_thread(join, TRAINER, wait_s=60), daemon=True)
+    trainer.start()
+    time.sleep(1.0)  # the trainer first: it finds the stopped engine's key
+    assert _in_thread(join, ENGINE, wait_s=60) is None
+    trainer.join(60)
+    assert sorted(joined) == [TRAINER, ENGINE]
+    _pair_talks(joined[TRAINER], joined[ENGINE])
+
+
+def test_a_trainer_whose_host_does_not_resolve_says_so_at_once():
+    """A trainer's address whose host name does not resolve (a typo): TCPStore's client
+    retried it for about twice rollout.async_timeout_s (an hour by default), printing a C++
+    warning and stack each time, then said that a client socket had timed out. It fails at
+    once, saying the name does not resolve."""
+    address = f"tcp://no-such-host.invalid:{_free_port()}"
+    start = time.monotonic()
+    err = _in_thread(_join, address, TRAINER, 30.0, wait_s=90)
+    assert isinstance(err, Unreachable), err
+    assert str(err).startswith(f"{address}: could not listen there ([Errno -")
+    assert time.monotonic() - start < 10
