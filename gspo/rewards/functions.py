@@ -41,7 +41,7 @@ class RewardSpecError(ValueError):
 # a digit is a range or a subtraction, not a sign: "pages 3-4" ends with 4, "5-3" with 3.
 # A fraction of two integers is one number: "3/4" and "-3/4" with no spaces (not "3 / 4", nor
 # "3/4.5", read as before: 3 then 4.5), and LaTeX's \frac{3}{4} (\dfrac, \tfrac; either part
-# may carry the minus).
+# may carry the minus; \frac34 too).
 _MINUS = "-\u2212\uff0d"
 _INT = r"(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)"
 _NUMBER = re.compile(
@@ -54,6 +54,14 @@ _MAX_EXPONENT_DIGITS = 4  # 10**9999 is cheap to build exactly; 10**(10**9) is n
 # LaTeX's thousands separators, read as a plain comma: ``1{,}000``, MATH's ``10,\!000`` (a
 # comma and a negative thin space) and the thin space of ``10\,000`` between digit groups.
 _LATEX_THOUSANDS = re.compile(r"\{,\}|,\\!|(?<=\d)\\,(?=\d{3}(?!\d))")
+# LaTeX's fractions whose arguments are single digits without braces: ``\frac12`` is
+# ``\frac{1}{2}`` (and ``\frac1{2}``, ``\frac{1}2``; ``\frac123`` is ``\frac{1}{2}3``).
+_BARE_FRAC = re.compile(r"(\\[dt]?frac)\s*(?:(\d)|(\{[^{}]*\}))\s*(?:(\d)|(\{[^{}]*\}))")
+
+
+def _braced_fracs(text: str) -> str:
+    return _BARE_FRAC.sub(lambda m: m[1] + (m[3] or "{" + (m[2] or "") + "}")
+                          + (m[5] or "{" + (m[4] or "") + "}"), text)
 
 
 def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
@@ -120,7 +128,7 @@ def _ascii(part: str) -> str:
 def _last_number_text(text: str) -> str | None:
     """The last number in ``text`` in ASCII (``-1234.5``, ``3/4``, ``1.5e3``), or None when there
     is none."""
-    matches = list(_NUMBER.finditer(_LATEX_THOUSANDS.sub(",", text)))
+    matches = list(_NUMBER.finditer(_braced_fracs(_LATEX_THOUSANDS.sub(",", text))))
     if not matches:
         return None
     found = matches[-1]

@@ -79,6 +79,21 @@ def test_numeric_match_reads_latex_thousands_separators(completion, answer, expe
     assert nm(completion, answer) == expected
 
 
+@pytest.mark.parametrize("completion, answer, expected", [
+    ("$\\boxed{\\frac12}$", "0.5", 1.0),  # LaTeX's single-digit arguments need no braces
+    ("$\\boxed{\\frac12}$", "12", 0.0),
+    ("$\\dfrac34$", "3/4", 1.0),
+    ("$-\\frac1{2}$", "-0.5", 1.0),
+    ("$\\tfrac{1}2$", "1/2", 1.0),
+    ("$\\frac 1 2$", "0.5", 1.0),
+    ("$\\frac123$", "3", 1.0),  # \frac{1}{2}3: the last number is 3
+    ("The answer is 1/2.", "\\frac12", 1.0),
+])
+def test_numeric_match_reads_fractions_with_unbraced_digits(completion, answer, expected):
+    """``\\frac12`` was read as 12 (the right answer 1/2 scored 0, and 12 matched it)."""
+    assert nm(completion, answer) == expected
+
+
 @pytest.mark.parametrize("answer", ["seven", "", "n/a", "abc def"])
 def test_numeric_match_non_numeric_reference_is_unscorable(answer):
     assert nm("7", answer) is None
