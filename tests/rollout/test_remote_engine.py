@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -98,7 +99,13 @@ def test_addresses_that_cannot_work_are_refused():
 def test_ctrl_c_stops_a_gspo_engine_that_waits_for_its_trainer(tmp_path):
     """Ctrl-C while `gspo engine` waits in the store (C++, which does not look at Python's
     signals): it exits at once with 130, saying so."""
-    store = tmp_path / "store"
+    code, err = _interrupt_a_waiting_engine(tmp_path / "store")
+    assert code == 130 and err.strip() == "gspo engine: interrupted"
+
+
+def _interrupt_a_waiting_engine(store: Path) -> tuple[int, str]:
+    """Start `gspo engine file://STORE`, Ctrl-C it once it waits there for its trainer; its
+    exit code and stderr."""
     proc = subprocess.Popen([sys.executable, "-m", "gspo", "engine", f"file://{store}",
                              "--timeout", "120"], stderr=subprocess.PIPE, text=True)
     try:
@@ -108,8 +115,7 @@ def test_ctrl_c_stops_a_gspo_engine_that_waits_for_its_trainer(tmp_path):
             time.sleep(0.1)
         time.sleep(1.0)
         proc.send_signal(signal.SIGINT)
-        code = proc.wait(timeout=20)
-        assert code == 130 and proc.stderr.read().strip() == "gspo engine: interrupted"
+        return proc.wait(timeout=20), proc.stderr.read()
     finally:
         proc.kill()
         proc.wait()
@@ -405,19 +411,7 @@ def test_an_engine_stopped_while_it_waited_at_a_file_address_is_not_met(tmp_path
     trainer's marker as long. The next pair meets."""
     store = tmp_path / "store"
     address = f"file://{store}"
-    proc = subprocess.Popen([sys.executable, "-m", "gspo", "engine", address, "--timeout",
-                             "120"], stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 120
-        while not store.exists():  # the engine is at the store, waiting for a trainer
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
-            time.sleep(0.1)
-        time.sleep(1.0)
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=20) == 130
-    finally:
-        proc.kill()
-        proc.wait()
+    assert _interrupt_a_waiting_engine(store)[0] == 130
     assert store.exists()
     joined: dict[int, tuple] = {}
 
